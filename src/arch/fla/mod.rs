@@ -1,0 +1,219 @@
+//! flash-linear-attention families: DeltaNet (`delta_net`) and Gated DeltaNet (`gated_deltanet`).
+//!
+//! Follows fla `fla/layers/{delta_net,gated_deltanet}.py` and `fla/models/*/modeling_*.py`.
+
+mod model;
+
+use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+pub use model::FlaModel;
+
+/// Which of the two fla layers a config describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    DeltaNet,
+    GatedDeltaNet,
+}
+
+fn yes() -> bool {
+    true
+}
+fn four() -> usize {
+    4
+}
+fn ratio() -> f64 {
+    4.0
+}
+fn eps() -> f64 {
+    1e-6
+}
+fn l2() -> String {
+    "l2".into()
+}
+fn silu() -> String {
+    "silu".into()
+}
+
+/// The union of the DeltaNet and Gated DeltaNet config fields statecut reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct FlaConfig {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_heads: usize,
+    pub vocab_size: usize,
+    #[serde(default)]
+    pub expand_k: Option<f64>,
+    #[serde(default)]
+    pub expand_v: Option<f64>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default)]
+    pub num_v_heads: Option<usize>,
+    #[serde(default)]
+    pub use_gate: Option<bool>,
+    #[serde(default = "yes")]
+    pub use_short_conv: bool,
+    #[serde(default = "four")]
+    pub conv_size: usize,
+    #[serde(default)]
+    pub conv_bias: bool,
+    #[serde(default = "yes")]
+    pub use_beta: bool,
+    #[serde(default)]
+    pub allow_neg_eigval: bool,
+    #[serde(default = "l2")]
+    pub qk_norm: String,
+    #[serde(default = "silu")]
+    pub qk_activation: String,
+    #[serde(default = "ratio")]
+    pub hidden_ratio: f64,
+    #[serde(default)]
+    pub intermediate_size: Option<usize>,
+    #[serde(default = "eps")]
+    pub norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attn: Option<Value>,
+}
+
+/// Sizes derived from a config exactly as fla derives them.
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub kind: Kind,
+    pub hidden: usize,
+    pub heads: usize,
+    pub v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub use_gate: bool,
+    pub intermediate: usize,
+}
+
+impl FlaConfig {
+    pub fn dims(&self, kind: Kind) -> Result<Dims> {
+        if self.attn.as_ref().is_some_and(|a| !a.is_null()) {
+            bail!("hybrid fla models (config `attn` set) are not supported yet");
+        }
+        if self.qk_norm != "l2" {
+            bail!("qk_norm \"{}\" is not supported (only \"l2\")", self.qk_norm);
+        }
+        if self.qk_activation != "silu" {
+            bail!("qk_activation \"{}\" is not supported (only \"silu\")", self.qk_activation);
+        }
+        let h = self.num_heads;
+        let (dk, dv, v_heads, use_gate) = match kind {
+            Kind::DeltaNet => {
+                // fla: key_dim = int(hidden_size * expand_k), head_k_dim = key_dim // num_heads
+                let key_dim = (self.hidden_size as f64 * self.expand_k.unwrap_or(1.0)) as usize;
+                let value_dim = (self.hidden_size as f64 * self.expand_v.unwrap_or(1.0)) as usize;
+                if !key_dim.is_multiple_of(h) || !value_dim.is_multiple_of(h) {
+                    bail!("key_dim {key_dim} / value_dim {value_dim} not divisible by num_heads {h}");
+                }
+                (key_dim / h, value_dim / h, h, self.use_gate.unwrap_or(false))
+            }
+            Kind::GatedDeltaNet => {
+                // fla: head_v_dim = int(head_dim * expand_v)
+                let dk = self.head_dim.unwrap_or(256);
+                let dv = (dk as f64 * self.expand_v.unwrap_or(2.0)) as usize;
+                let hv = self.num_v_heads.unwrap_or(h);
+                if !hv.is_multiple_of(h) {
+                    bail!("num_v_heads {hv} must be a multiple of num_heads {h}");
+                }
+                (dk, dv, hv, self.use_gate.unwrap_or(true))
+            }
+        };
+        let intermediate = match self.intermediate_size {
+            Some(i) => i,
+            None => {
+                // fla GatedMLP: int(D * hidden_ratio * 2 / 3) rounded up to a multiple of 256
+                let i = (self.hidden_size as f64 * self.hidden_ratio * 2.0 / 3.0) as usize;
+                256 * i.div_ceil(256)
+            }
+        };
+        Ok(Dims { kind, hidden: self.hidden_size, heads: h, v_heads, dk, dv, use_gate, intermediate })
+    }
+}
+
+/// The smallest float e with `int(base * e) == target` in Python semantics, so that a
+/// config value read back by fla reproduces `target` exactly (the nudge FORMATS.md §1c asks for).
+pub fn float_for_product(target: usize, base: usize) -> f64 {
+    let mut e = target as f64 / base as f64;
+    while (((base as f64) * e) as usize) < target {
+        e = f64::from_bits(e.to_bits() + 1);
+    }
+    e
+}
+
+fn layout(ckpt: &Checkpoint, kind: Kind) -> Result<StateLayout> {
+    let cfg: FlaConfig = parse(ckpt, &ckpt.config)?;
+    let d = cfg.dims(kind)?;
+    let mut layers = Vec::new();
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}.attn.");
+        let mut slices = vec![
+            RowSlice { tensor: format!("{p}q_proj.weight"), offset: 0, head_stride: d.dk, role: SliceRole::QueryProj },
+            RowSlice { tensor: format!("{p}k_proj.weight"), offset: 0, head_stride: d.dk, role: SliceRole::KeyProj },
+        ];
+        if cfg.use_short_conv {
+            for name in ["q_conv1d.weight", "k_conv1d.weight", "q_conv1d.bias", "k_conv1d.bias"] {
+                let t = format!("{p}{name}");
+                if ckpt.tensors.contains_key(&t) {
+                    slices.push(RowSlice { tensor: t, offset: 0, head_stride: d.dk, role: SliceRole::Conv });
+                }
+            }
+        }
+        layers.push(LayerState { layer: i, key_heads: d.heads, value_heads: d.v_heads, dv: d.dv, slices });
+    }
+    Ok(StateLayout { family: format!("{kind:?}"), dk: d.dk, layers, num_layers: cfg.num_hidden_layers })
+}
+
+fn load(ckpt: &Checkpoint, opts: &LoadOptions, kind: Kind) -> Result<Box<dyn CausalLm>> {
+    let cfg: FlaConfig = parse(ckpt, &ckpt.config)?;
+    Ok(Box::new(FlaModel::load(ckpt, &cfg, cfg.dims(kind)?, opts)?))
+}
+
+pub struct DeltaNetFamily;
+pub struct GatedDeltaNetFamily;
+
+impl Family for DeltaNetFamily {
+    fn model_types(&self) -> &'static [&'static str] {
+        &["delta_net"]
+    }
+    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+        layout(ckpt, Kind::DeltaNet)
+    }
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+        load(ckpt, opts, Kind::DeltaNet)
+    }
+    fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
+        // fla DeltaNet has no head_dim: key_dim = int(hidden_size * expand_k).
+        let hidden = config["hidden_size"].as_u64().unwrap_or(0) as usize;
+        let heads = layout.layers.first().map_or(0, |l| l.key_heads);
+        config["expand_k"] = Value::from(float_for_product(heads * dk, hidden));
+        Ok(())
+    }
+}
+
+impl Family for GatedDeltaNetFamily {
+    fn model_types(&self) -> &'static [&'static str] {
+        &["gated_deltanet"]
+    }
+    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+        layout(ckpt, Kind::GatedDeltaNet)
+    }
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+        load(ckpt, opts, Kind::GatedDeltaNet)
+    }
+    fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
+        // fla ties head_v_dim = int(head_dim * expand_v): keep d_v by rescaling expand_v.
+        let dv = layout.layers.first().map_or(0, |l| l.dv);
+        config["head_dim"] = Value::from(dk);
+        config["expand_v"] = Value::from(float_for_product(dv, dk));
+        Ok(())
+    }
+}

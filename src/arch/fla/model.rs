@@ -1,0 +1,216 @@
+//! Candle forward of fla DeltaNet / Gated DeltaNet causal LMs.
+
+use super::{Dims, FlaConfig, Kind};
+use crate::arch::{CausalLm, LoadOptions, Observer};
+use crate::checkpoint::Checkpoint;
+use crate::ops::conv::ShortConv;
+use crate::ops::delta_rule::{Recurrence, Rule};
+use crate::ops::mlp::SwiGlu;
+use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
+use crate::ops::{repeat_heads, softplus};
+use anyhow::{Context, Result};
+use candle_core::{Device, Module, Tensor, Var};
+use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
+
+/// A projection whose weight may be a variable (for gradients of the LM loss).
+fn projection(
+    vb: &VarBuilder,
+    name: &str,
+    out: usize,
+    inp: usize,
+    grad: bool,
+    vars: &mut Vec<(String, Var)>,
+    full: &str,
+) -> Result<Linear> {
+    if !grad {
+        return Ok(linear_no_bias(inp, out, vb.pp(name))?);
+    }
+    let w = vb.pp(name).get((out, inp), "weight")?;
+    let var = Var::from_tensor(&w)?;
+    let lin = Linear::new(var.as_tensor().clone(), None);
+    vars.push((format!("{full}{name}.weight"), var));
+    Ok(lin)
+}
+
+struct Mixer {
+    d: Dims,
+    layer: usize,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    b_proj: Option<Linear>,
+    a_proj: Option<Linear>,
+    /// -exp(A_log), [HV]
+    neg_a: Option<Tensor>,
+    dt_bias: Option<Tensor>,
+    convs: Option<[ShortConv; 3]>,
+    g_proj: Option<Linear>,
+    o_norm: RmsNorm,
+    o_proj: Linear,
+    allow_neg_eigval: bool,
+}
+
+impl Mixer {
+    fn load(
+        vb: VarBuilder,
+        cfg: &FlaConfig,
+        d: Dims,
+        layer: usize,
+        grad: bool,
+        vars: &mut Vec<(String, Var)>,
+    ) -> Result<Self> {
+        let full = format!("model.layers.{layer}.attn.");
+        let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.v_heads * d.dv);
+        let gated = d.kind == Kind::GatedDeltaNet;
+        let convs = if cfg.use_short_conv {
+            let c = |name: &str, ch: usize| ShortConv::load(vb.pp(name), ch, cfg.conv_size, cfg.conv_bias);
+            Some([c("q_conv1d", kd)?, c("k_conv1d", kd)?, c("v_conv1d", vd)?])
+        } else {
+            None
+        };
+        let use_beta = gated || cfg.use_beta;
+        Ok(Self {
+            d,
+            layer,
+            q_proj: projection(&vb, "q_proj", kd, hid, grad, vars, &full)?,
+            k_proj: projection(&vb, "k_proj", kd, hid, grad, vars, &full)?,
+            v_proj: linear_no_bias(hid, vd, vb.pp("v_proj"))?,
+            b_proj: if use_beta { Some(linear_no_bias(hid, d.v_heads, vb.pp("b_proj"))?) } else { None },
+            a_proj: if gated { Some(linear_no_bias(hid, d.v_heads, vb.pp("a_proj"))?) } else { None },
+            neg_a: if gated { Some(vb.get(d.v_heads, "A_log")?.exp()?.neg()?) } else { None },
+            dt_bias: if gated { Some(vb.get(d.v_heads, "dt_bias")?) } else { None },
+            convs,
+            g_proj: if d.use_gate { Some(linear_no_bias(hid, vd, vb.pp("g_proj"))?) } else { None },
+            o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, cfg.norm_eps, NormWeight::Plain)?,
+            o_proj: linear_no_bias(vd, hid, vb.pp("o_proj"))?,
+            allow_neg_eigval: cfg.allow_neg_eigval,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        let d = self.d;
+        let (b, t, _) = x.dims3()?;
+        obs.qk_input(self.layer, x)?;
+        let conv = |i: usize, y: Tensor| -> Result<Tensor> {
+            let y = match &self.convs {
+                Some(c) => c[i].forward(&y)?,
+                None => y,
+            };
+            Ok(candle_nn::ops::silu(&y)?)
+        };
+        let q = conv(0, self.q_proj.forward(x)?)?.reshape((b, t, d.heads, d.dk))?;
+        let k = conv(1, self.k_proj.forward(x)?)?.reshape((b, t, d.heads, d.dk))?;
+        let v = conv(2, self.v_proj.forward(x)?)?.reshape((b, t, d.v_heads, d.dv))?;
+        obs.qk(self.layer, &q, &k)?;
+        let beta = match &self.b_proj {
+            Some(p) => candle_nn::ops::sigmoid(&p.forward(x)?)?,
+            None => Tensor::ones((b, t, d.v_heads), x.dtype(), x.device())?,
+        };
+        let beta = if self.allow_neg_eigval { (beta * 2.0)? } else { beta };
+        // g = -exp(A_log) * softplus(a + dt_bias)   (fla naive_gdn_gate)
+        let g = match (&self.a_proj, &self.neg_a, &self.dt_bias) {
+            (Some(a), Some(na), Some(dt)) => Some(softplus(&a.forward(x)?.broadcast_add(dt)?)?.broadcast_mul(na)?),
+            _ => None,
+        };
+        let r = d.v_heads / d.heads;
+        let q = repeat_heads(&l2_norm(&q, 1e-6)?, r)?;
+        let k = repeat_heads(&l2_norm(&k, 1e-6)?, r)?;
+        let rec = Recurrence {
+            q: &q,
+            k: &k,
+            v: &v,
+            beta: &beta,
+            g: g.as_ref(),
+            scale: (d.dk as f64).powf(-0.5),
+            rule: Rule::Delta,
+        };
+        let o = if obs.wants_state() {
+            let (o, s) = rec.forward_with_state()?;
+            obs.state(self.layer, &s)?;
+            o
+        } else {
+            rec.forward()?
+        };
+        let o = match &self.g_proj {
+            Some(gp) => self.o_norm.forward_gated(&o, &gp.forward(x)?.reshape((b, t, d.v_heads, d.dv))?)?,
+            None => self.o_norm.forward(&o)?,
+        };
+        Ok(self.o_proj.forward(&o.reshape((b, t, d.v_heads * d.dv))?)?)
+    }
+}
+
+struct Block {
+    attn_norm: RmsNorm,
+    attn: Mixer,
+    mlp_norm: RmsNorm,
+    mlp: SwiGlu,
+}
+
+/// A DeltaNet or Gated DeltaNet causal LM.
+pub struct FlaModel {
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    vars: Vec<(String, Var)>,
+    device: Device,
+}
+
+impl FlaModel {
+    pub fn load(ckpt: &Checkpoint, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> Result<Self> {
+        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
+        let m = vb.pp("model");
+        let embed_w = m.pp("embeddings").get((cfg.vocab_size, d.hidden), "weight")?;
+        let mut vars = Vec::new();
+        let mut blocks = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            blocks.push(Block {
+                attn_norm: RmsNorm::load(l.pp("attn_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
+                attn: Mixer::load(l.pp("attn"), cfg, d, i, opts.grad, &mut vars)
+                    .with_context(|| format!("loading layer {i}"))?,
+                mlp_norm: RmsNorm::load(l.pp("mlp_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
+                mlp: SwiGlu::load(l.pp("mlp"), d.hidden, d.intermediate)?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed_w.clone(), None)
+        } else {
+            linear_no_bias(d.hidden, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Self {
+            embed: Embedding::new(embed_w, d.hidden),
+            blocks,
+            norm: RmsNorm::load(m.pp("norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
+            lm_head,
+            vars,
+            device: opts.device.clone(),
+        })
+    }
+}
+
+impl CausalLm for FlaModel {
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        let mut h = self.embed.forward(ids)?;
+        obs.hidden(0, &h)?;
+        let n = self.blocks.len();
+        for (i, blk) in self.blocks.iter().enumerate() {
+            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs)?)?;
+            h = (&h + blk.mlp.forward(&blk.mlp_norm.forward(&h)?)?)?;
+            if i + 1 < n {
+                obs.hidden(i + 1, &h)?;
+            }
+        }
+        let h = self.norm.forward(&h)?;
+        obs.hidden(n, &h)?;
+        Ok(self.lm_head.forward(&h)?)
+    }
+
+    fn grad_vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}

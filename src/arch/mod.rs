@@ -1,0 +1,167 @@
+//! Architecture adapters: one folder per model family, all behind [`Family`].
+//!
+//! A family knows how to read its config, build a candle forward, describe where its recurrent
+//! state's key/query channels live in the checkpoint ([`StateLayout`]), and edit its config so a
+//! pruned checkpoint reloads in the family's own library. Everything else (calibration,
+//! selectors, surgery, reports) is written once against these descriptions.
+
+pub mod fla;
+
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use serde::Serialize;
+use serde_json::Value;
+
+/// Where the rows of one key/query channel set live in one stored tensor (sliced along dim 0).
+///
+/// Channel `j` of head `h` is row `offset + h * head_stride + j`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RowSlice {
+    pub tensor: String,
+    pub offset: usize,
+    pub head_stride: usize,
+    pub role: SliceRole,
+}
+
+/// What a sliced tensor is, so selectors know which rows carry projection weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SliceRole {
+    /// rows of the query projection (W_Q, Mamba-2 C)
+    QueryProj,
+    /// rows of the key projection (W_K, Mamba-2 B)
+    KeyProj,
+    /// conv weight or bias channels
+    Conv,
+}
+
+/// The recurrent state of one layer.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerState {
+    pub layer: usize,
+    /// Index sets per layer: fla heads, Mamba-2 groups, Qwen3.5 key heads.
+    pub key_heads: usize,
+    /// Number of recurrent states (value heads); each key head serves value_heads/key_heads.
+    pub value_heads: usize,
+    pub dv: usize,
+    pub slices: Vec<RowSlice>,
+}
+
+/// The key/query geometry of a model: one key width `dk` shared by every head and layer.
+#[derive(Debug, Clone, Serialize)]
+pub struct StateLayout {
+    pub family: String,
+    pub dk: usize,
+    /// Layers with a prunable recurrent state (hybrids list only their linear layers).
+    pub layers: Vec<LayerState>,
+    pub num_layers: usize,
+}
+
+impl StateLayout {
+    /// Elements of all recurrent states for a key width `dk`.
+    pub fn state_elems(&self, dk: usize) -> usize {
+        self.layers.iter().map(|l| l.value_heads * dk * l.dv).sum()
+    }
+
+    pub fn layer(&self, layer: usize) -> Option<&LayerState> {
+        self.layers.iter().find(|l| l.layer == layer)
+    }
+}
+
+/// Per-forward callbacks: how calibration and inspection see inside a model without the
+/// model knowing about them. Every method has a no-op default.
+pub trait Observer {
+    /// Ask the model to compute final recurrent states (costs an extra non-differentiable pass).
+    fn wants_state(&self) -> bool {
+        false
+    }
+    /// Hidden states as transformers' `output_hidden_states` returns them (index 0 = embeddings).
+    fn hidden(&mut self, _index: usize, _h: &Tensor) -> Result<()> {
+        Ok(())
+    }
+    /// Input of the q/k projections [B, T, D] (S-Wanda norms).
+    fn qk_input(&mut self, _layer: usize, _x: &Tensor) -> Result<()> {
+        Ok(())
+    }
+    /// Queries and keys [B, T, key_heads, dk] after the short conv and SiLU, before the L2 norm.
+    fn qk(&mut self, _layer: usize, _q: &Tensor, _k: &Tensor) -> Result<()> {
+        Ok(())
+    }
+    /// Final recurrent states [B, value_heads, dk, dv].
+    fn state(&mut self, _layer: usize, _s: &Tensor) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// An observer that sees nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+/// A loaded causal language model.
+pub trait CausalLm {
+    /// Logits [B, T, V] for token ids [B, T].
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor>;
+    /// Projection weights loaded as variables (with `LoadOptions::grad`), by checkpoint name.
+    fn grad_vars(&self) -> &[(String, Var)];
+    fn device(&self) -> &Device;
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub dtype: DType,
+    pub device: Device,
+    /// Load the key/query projection weights as variables so the LM loss can be differentiated.
+    pub grad: bool,
+}
+
+impl LoadOptions {
+    pub fn cpu_f32() -> Self {
+        Self { dtype: DType::F32, device: Device::Cpu, grad: false }
+    }
+}
+
+/// A model family.
+pub trait Family: Sync {
+    /// The `model_type` values this family reads.
+    fn model_types(&self) -> &'static [&'static str];
+    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout>;
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>>;
+    /// Edit config.json so that the family's library rebuilds the model with key width `dk`.
+    fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()>;
+}
+
+static FAMILIES: &[&dyn Family] = &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily];
+
+/// `model_type` from config.json (top level).
+pub fn model_type(config: &Value) -> Result<String> {
+    config.get("model_type").and_then(Value::as_str).map(str::to_string).context("config.json has no model_type")
+}
+
+/// The family adapter for a checkpoint.
+pub fn family_for(ckpt: &Checkpoint) -> Result<&'static dyn Family> {
+    let mt = ckpt.model_type()?;
+    for f in FAMILIES {
+        if f.model_types().contains(&mt.as_str()) {
+            return Ok(*f);
+        }
+    }
+    let known: Vec<&str> = FAMILIES.iter().flat_map(|f| f.model_types().iter().copied()).collect();
+    bail!(
+        "unsupported model_type \"{mt}\" in {}/config.json; statecut supports: {}",
+        ckpt.dir.display(),
+        known.join(", ")
+    )
+}
+
+/// Read a typed config from JSON with a message naming the file.
+pub fn parse<T: serde::de::DeserializeOwned>(ckpt: &Checkpoint, value: &Value) -> Result<T> {
+    serde_json::from_value(value.clone()).with_context(|| {
+        format!(
+            "{}/config.json does not match the {} format",
+            ckpt.dir.display(),
+            ckpt.model_type().unwrap_or_default()
+        )
+    })
+}

@@ -1,0 +1,200 @@
+//! Open a model directory: config.json, weight files (single, sharded, or a PyTorch pickle),
+//! validated up front so that a corrupt file fails with one clear line before any work starts.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// How the weights are stored on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    Safetensors,
+    /// `pytorch_model.bin` (mamba_ssm checkpoints).
+    PytorchBin,
+}
+
+/// Shape and dtype of one stored tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub file: PathBuf,
+}
+
+/// A model directory opened for reading.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: Value,
+    pub format: WeightFormat,
+    /// Weight files in order (shards as the index lists them).
+    pub files: Vec<PathBuf>,
+    /// Every tensor name with its dtype, shape and file.
+    pub tensors: BTreeMap<String, TensorInfo>,
+    /// Whether the weights came with `model.safetensors.index.json`.
+    pub sharded: bool,
+}
+
+/// Shard file names listed by a `model.safetensors.index.json`, deduplicated, in first-seen order.
+pub fn index_shards(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).with_context(|| format!("reading {}", index.display()))?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .with_context(|| format!("{} has no weight_map", index.display()))?;
+    let mut out: Vec<String> = Vec::new();
+    for f in map.values() {
+        let f = f.as_str().context("weight_map values must be file names")?;
+        if !out.iter().any(|x| x == f) {
+            out.push(f.to_string());
+        }
+    }
+    Ok(out)
+}
+
+/// Read and check a safetensors header without loading the data.
+pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let len = f.metadata()?.len();
+    let corrupt = |why: String| {
+        anyhow::anyhow!("{} is not a valid safetensors file ({why}); re-download or re-export it", path.display())
+    };
+    if len < 8 {
+        return Err(corrupt(format!("{len} bytes, too short for a header")));
+    }
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)?;
+    let n = u64::from_le_bytes(n);
+    if n > len - 8 || n > 100 << 20 {
+        return Err(corrupt(format!("header of {n} bytes but the file has {len}: truncated")));
+    }
+    let mut buf = vec![0u8; n as usize];
+    f.read_exact(&mut buf)?;
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_slice(&buf).map_err(|e| corrupt(format!("header is not valid JSON: {e}")))?;
+    let data_len = len - 8 - n;
+    let mut out = Vec::new();
+    for (name, info) in meta.tensors() {
+        let (_, end) = info.data_offsets;
+        if end as u64 > data_len {
+            return Err(corrupt(format!(
+                "tensor {name} ends at byte {end} of a {data_len}-byte data section: truncated"
+            )));
+        }
+        out.push((name, TensorInfo { dtype: info.dtype, shape: info.shape.clone(), file: path.to_path_buf() }));
+    }
+    Ok(out)
+}
+
+impl Checkpoint {
+    /// Open `dir`, parse config.json and check every weight file's header.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("model directory {} does not exist", dir.display());
+        }
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path)
+            .with_context(|| format!("{} has no config.json; pass a Hugging Face model directory", dir.display()))?;
+        let config = parse_config(&text).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?;
+        let index = dir.join("model.safetensors.index.json");
+        let (files, format, sharded) = if index.exists() {
+            let files = index_shards(&index)?.into_iter().map(|f| dir.join(f)).collect::<Vec<_>>();
+            for f in &files {
+                if !f.exists() {
+                    bail!("{} lists {} but it is missing; re-download the checkpoint", index.display(), f.display());
+                }
+            }
+            (files, WeightFormat::Safetensors, true)
+        } else if dir.join("model.safetensors").exists() {
+            (vec![dir.join("model.safetensors")], WeightFormat::Safetensors, false)
+        } else if dir.join("pytorch_model.bin").exists() {
+            (vec![dir.join("pytorch_model.bin")], WeightFormat::PytorchBin, false)
+        } else {
+            bail!("{} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin", dir.display());
+        };
+        let mut tensors = BTreeMap::new();
+        match format {
+            WeightFormat::Safetensors => {
+                for f in &files {
+                    for (name, info) in read_header(f)? {
+                        tensors.insert(name, info);
+                    }
+                }
+            }
+            WeightFormat::PytorchBin => {
+                let f = &files[0];
+                let pth = candle_core::pickle::read_pth_tensor_info(f, false, None)
+                    .with_context(|| format!("{} is not a readable PyTorch checkpoint", f.display()))?;
+                for t in pth {
+                    let dtype = match t.dtype {
+                        DType::BF16 => safetensors::Dtype::BF16,
+                        DType::F16 => safetensors::Dtype::F16,
+                        DType::F32 => safetensors::Dtype::F32,
+                        DType::F64 => safetensors::Dtype::F64,
+                        d => bail!("{}: tensor {} has unsupported dtype {d:?}", f.display(), t.name),
+                    };
+                    let shape = t.layout.shape().dims().to_vec();
+                    tensors.insert(t.name, TensorInfo { dtype, shape, file: f.clone() });
+                }
+            }
+        }
+        Ok(Self { dir: dir.to_path_buf(), config, format, files, tensors, sharded })
+    }
+
+    /// A candle VarBuilder over the weights (memory-mapped safetensors, or the pickle).
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+        Ok(match self.format {
+            // SAFETY: the files are memory-mapped read-only; statecut never writes to its inputs.
+            WeightFormat::Safetensors => unsafe { VarBuilder::from_mmaped_safetensors(&self.files, dtype, device)? },
+            WeightFormat::PytorchBin => VarBuilder::from_pth(&self.files[0], dtype, device)?,
+        })
+    }
+
+    /// The config.json value of `key` (top level, or under `text_config` for multimodal layouts).
+    pub fn model_type(&self) -> Result<String> {
+        crate::arch::model_type(&self.config)
+    }
+
+    pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensors.get(name).with_context(|| format!("tensor {name} not found in {}", self.dir.display()))
+    }
+}
+
+/// Parse config.json, accepting the bare `Infinity`/`-Infinity`/`NaN` literals Python's json
+/// writes (kept as strings so that nothing is lost when the config is written back).
+pub fn parse_config(text: &str) -> Result<Value> {
+    if let Ok(v) = serde_json::from_str(text) {
+        return Ok(v);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut in_str = false;
+    let mut escaped = false;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if in_str {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_str = false;
+            }
+        } else if c == '"' {
+            in_str = true;
+        } else if let Some(lit) = ["-Infinity", "Infinity", "NaN"].iter().find(|l| rest.starts_with(**l)) {
+            out.push('"');
+            out.push_str(lit);
+            out.push('"');
+            rest = &rest[lit.len()..];
+            continue;
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    Ok(serde_json::from_str(&out)?)
+}

@@ -1,0 +1,212 @@
+//! Command-line interface (clap derive): one struct of flags per subcommand, shared groups flattened.
+
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "statecut",
+    version,
+    about = "Shrink and inspect the recurrent state of linear-attention language models"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Hide progress bars.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Perplexity on a text file over fixed windows.
+    Eval(EvalArgs),
+    /// Stable rank, utilization and conditioning of the recurrent state per layer and head.
+    Inspect(InspectArgs),
+    /// Run calibration text through a model and save key/query activations and statistics.
+    Calibrate(CalibrateArgs),
+    /// Remove key/query channels per head and write a smaller checkpoint.
+    Prune(PruneArgs),
+    /// Prefill and decode speed.
+    Bench(BenchArgs),
+}
+
+/// Which model to load and where.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Local model directory or Hugging Face hub id (org/name).
+    #[arg(short, long)]
+    pub model: String,
+    /// Hub revision (branch, tag or commit) when --model is a hub id.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// tokenizer.json to use instead of the model's own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Evaluation text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text).
+    #[arg(long)]
+    pub data: Option<String>,
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
+    /// Tokens predicted per window.
+    #[arg(long, default_value_t = 512)]
+    pub seqlen: usize,
+    /// Maximum number of windows.
+    #[arg(long, default_value_t = 64)]
+    pub windows: usize,
+    /// Windows per forward pass.
+    #[arg(long, default_value_t = 1)]
+    pub batch_size: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Calibration text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text).
+    #[arg(long)]
+    pub data: Option<String>,
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
+    /// Number of sequences.
+    #[arg(long, default_value_t = 16)]
+    pub nsamples: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seqlen: usize,
+    /// Key+query rows sampled per layer for the activation statistics.
+    #[arg(long, default_value_t = 5000)]
+    pub rows: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Write SVG spectrum plots (one per layer) into this directory.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Calibration data and sampling.
+#[derive(Debug, Clone, Args)]
+pub struct CalibArgs {
+    /// Calibration text: .jsonl, .txt, .parquet, or a hub dataset `org/name[:subset[:split]]`
+    /// (default: built-in text).
+    #[arg(long)]
+    pub calib: Option<String>,
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
+    /// Number of calibration sequences.
+    #[arg(long, default_value_t = 128)]
+    pub nsamples: usize,
+    /// Tokens per calibration sequence.
+    #[arg(long, default_value_t = 2048)]
+    pub seqlen: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Key+query rows kept per layer (half keys, half queries, uniform over tokens).
+    #[arg(long, default_value_t = 5000)]
+    pub rows: usize,
+    /// Also accumulate |W * dL/dW| for the key/query projections (needed by --method grad).
+    #[arg(long)]
+    pub grad: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CalibrateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub calib: CalibArgs,
+    /// Output activations file (.safetensors).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Continue an interrupted run from the partial output file.
+    #[arg(long)]
+    pub resume: bool,
+    /// Save partial results every N sequences.
+    #[arg(long, default_value_t = 16)]
+    pub save_every: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Recipe file (TOML) with any of the flags below; flags given on the command line win.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Channel selector: l1, swanda, grad, rand or drrqr.
+    #[arg(long)]
+    pub method: Option<String>,
+    /// Fraction of key/query channels to remove per head, in (0, 1).
+    #[arg(long)]
+    pub ratio: Option<f64>,
+    /// Round the kept width down to a multiple of this (kernel-friendly sizes).
+    #[arg(long)]
+    pub round_to: Option<usize>,
+    /// Output directory for the pruned checkpoint.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Replace an existing output directory.
+    #[arg(long)]
+    pub overwrite: bool,
+    #[command(flatten)]
+    pub calib: CalibArgs,
+    /// Use activations saved by `statecut calibrate` instead of calibrating now.
+    #[arg(long)]
+    pub activations: Option<PathBuf>,
+    /// DRRQR tolerance f > 1 of the strong rank-revealing QR.
+    #[arg(long)]
+    pub rrqr_f: Option<f64>,
+    /// Which activations DRRQR scores: qk (keys and queries stacked), k or q.
+    #[arg(long)]
+    pub score_on: Option<String>,
+    /// Evaluate perplexity before and after on this text (.jsonl/.txt/.parquet).
+    #[arg(long)]
+    pub eval: Option<String>,
+    /// Windows and window length for --eval.
+    #[arg(long, default_value_t = 64)]
+    pub eval_windows: usize,
+    #[arg(long, default_value_t = 512)]
+    pub eval_seqlen: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length for prefill and before decoding.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// Comma-separated batch sizes.
+    #[arg(long, default_value = "1,16,64")]
+    pub batch_sizes: String,
+    #[arg(long, default_value_t = 3)]
+    pub iterations: usize,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// A second (pruned) model to compare against.
+    #[arg(long)]
+    pub compare: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,125 @@
+//! The subcommands: argument handling around the library modules.
+
+use crate::arch::{family_for, CausalLm, Family, LoadOptions, StateLayout};
+use crate::checkpoint::Checkpoint;
+use crate::cli::{EvalArgs, InspectArgs, ModelArgs};
+use crate::data::{windows, TextSource, TextTokenizer};
+use anyhow::{Context, Result};
+use std::time::Instant;
+
+/// A model opened for a command.
+pub struct Loaded {
+    pub ckpt: Checkpoint,
+    pub family: &'static dyn Family,
+    pub layout: StateLayout,
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: TextTokenizer,
+}
+
+/// Resolve, validate and load a model (weights last, after every cheap check passed).
+pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
+    let start = Instant::now();
+    let dir = crate::hub::resolve_model(&args.model, &args.revision)?;
+    let ckpt = Checkpoint::open(&dir)?;
+    let family = family_for(&ckpt)?;
+    let layout = family.layout(&ckpt)?;
+    let tokenizer = TextTokenizer::load(&dir, args.tokenizer.as_deref(), &ckpt.config)?;
+    let device = crate::device::parse_device(&args.device)?;
+    let dtype = crate::device::parse_dtype(&args.dtype, &device)?;
+    let model = family
+        .load(&ckpt, &LoadOptions { dtype, device, grad })
+        .with_context(|| format!("loading {} from {}", ckpt.model_type().unwrap_or_default(), dir.display()))?;
+    if !quiet {
+        eprintln!("loaded {} ({}) in {:.2?}", args.model, layout.family, start.elapsed());
+    }
+    Ok(Loaded { ckpt, family, layout, model, tokenizer })
+}
+
+/// Tokenized calibration sequences: documents joined with the end-of-text token and cut into
+/// `n` sequences of `seqlen` tokens, warning when the text falls short.
+pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize, quiet: bool) -> Result<Vec<Vec<u32>>> {
+    let want = n * seqlen;
+    let mut docs = 0usize;
+    let counted = src.documents()?.inspect(|_| docs += 1);
+    let stream = tok.stream(counted, want)?;
+    let seqs: Vec<Vec<u32>> = stream.chunks_exact(seqlen).take(n).map(<[u32]>::to_vec).collect();
+    if seqs.is_empty() {
+        anyhow::bail!(
+            "the text has {} tokens, fewer than one sequence of {seqlen}; use more text or a smaller --seqlen",
+            stream.len()
+        );
+    }
+    if !quiet {
+        if seqs.len() < n {
+            eprintln!(
+                "warning: the text covers {} sequences of {seqlen} tokens, fewer than the {n} asked for",
+                seqs.len()
+            );
+        }
+        if docs > 0 && stream.len() / docs < seqlen {
+            eprintln!(
+                "warning: documents average {} tokens, shorter than --seqlen {seqlen}; they are joined with the end-of-text token",
+                stream.len() / docs
+            );
+        }
+    }
+    Ok(seqs)
+}
+
+pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
+    let quiet = quiet || args.json;
+    let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
+    let m = load(&args.model, false, quiet)?;
+    let tokens = m.tokenizer.stream(src.documents()?, args.windows * args.seqlen + 1)?;
+    let wins = windows(&tokens, args.seqlen, args.windows);
+    let r = crate::eval::perplexity(m.model.as_ref(), &wins, args.batch_size, quiet)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "ppl {:.4} over {} windows x {} tokens ({} tokens, {:.1} tokens/s)",
+            r.ppl, r.windows, r.seqlen, r.tokens, r.tokens_per_second
+        );
+    }
+    Ok(())
+}
+
+pub fn inspect(args: &InspectArgs, quiet: bool) -> Result<()> {
+    let quiet = quiet || args.json;
+    let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
+    let m = load(&args.model, false, quiet)?;
+    let seqs = sequences(&m.tokenizer, &src, args.nsamples, args.seqlen, quiet)?;
+    let mut r = crate::inspect::inspect(m.model.as_ref(), &m.layout, &seqs, args.rows, args.seed, quiet)?;
+    r.model = args.model.model.clone();
+    if let Some(dir) = &args.plot {
+        write_plots(dir, &r)?;
+        if !quiet {
+            eprintln!("wrote {} spectrum plots to {}", 2 * r.layers.len(), dir.display());
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", crate::inspect::render_table(&r));
+    }
+    Ok(())
+}
+
+fn write_plots(dir: &std::path::Path, r: &crate::inspect::InspectReport) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (layer, spectra) in &r.state_spectra {
+        let series: Vec<(String, Vec<f64>)> =
+            spectra.iter().enumerate().map(|(h, s)| (format!("head {h}"), s.clone())).collect();
+        let svg =
+            crate::plot::spectrum_svg(&format!("layer {layer}: final state spectrum"), "sigma_i / sigma_1", &series);
+        std::fs::write(dir.join(format!("state_layer{layer:02}.svg")), svg)?;
+    }
+    for (layer, spectra) in &r.activation_spectra {
+        let series: Vec<(String, Vec<f64>)> =
+            spectra.iter().enumerate().map(|(h, s)| (format!("head {h}"), s.clone())).collect();
+        let svg =
+            crate::plot::spectrum_svg(&format!("layer {layer}: key/query activation spectrum"), "sigma_i", &series);
+        std::fs::write(dir.join(format!("activations_layer{layer:02}.svg")), svg)?;
+    }
+    Ok(())
+}

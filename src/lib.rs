@@ -1,0 +1,23 @@
+//! statecut: shrink and inspect the recurrent state of trained linear-attention language models.
+//!
+//! The library is organised by job: `hub`/`checkpoint` find and open weights, `arch` holds one
+//! adapter per model family behind [`arch::Family`], `ops` holds the math shared by families,
+//! `calib`/`select`/`surgery` implement pruning, and `eval`/`inspect` measure models.
+
+pub mod arch;
+pub mod calib;
+pub mod checkpoint;
+pub mod cli;
+pub mod commands;
+pub mod data;
+pub mod device;
+pub mod eval;
+pub mod hub;
+pub mod inspect;
+pub mod linalg;
+pub mod ops;
+pub mod plot;
+pub mod progress;
+pub mod report;
+pub mod select;
+pub mod surgery;

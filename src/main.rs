@@ -1,0 +1,18 @@
+use clap::Parser;
+use statecut::cli::{Cli, Command};
+
+fn main() {
+    let cli = Cli::parse();
+    let q = cli.quiet;
+    let result = match &cli.command {
+        Command::Eval(a) => statecut::commands::eval(a, q),
+        Command::Inspect(a) => statecut::commands::inspect(a, q),
+        Command::Calibrate(_) | Command::Prune(_) | Command::Bench(_) => Err(anyhow::anyhow!("not built yet")),
+    };
+    if let Err(e) = result {
+        // One line: the context chain joined with ": " (candle appends backtraces on later lines).
+        let msg = format!("{e:#}");
+        eprintln!("error: {}", msg.lines().next().unwrap_or("unknown error").trim_end());
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,440 @@
+//! The (gated) delta-rule recurrence, and its linear-attention special case, on float32.
+//!
+//! Per head, with state S ∈ R^{dk×dv}, decay a_t = exp(g_t) and write strength β_t:
+//!   S' = a_t S_{t-1};  u_t = β_t (v_t − S'ᵀk_t)  (delta rule)  or  u_t = β_t v_t  (plain);
+//!   S_t = S' + k_t u_tᵀ;  o_t = S_tᵀ (scale · q_t).
+//! DeltaNet is g = 0, Gated DeltaNet the full form (fla `naive_recurrent_gated_delta_rule`),
+//! and the Mamba-2 SSM the plain form with k = B, q = C, v = x, β = dt, g = dt·A.
+//!
+//! The forward is a CPU custom op with an exact backward (reverse-mode through the recurrence,
+//! re-computing states from checkpoints every `CHUNK` steps), so candle autograd can take
+//! gradients through it for the Grad selector.
+
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+const CHUNK: usize = 64;
+
+/// Which update rule the recurrence uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// u = β (v − Sᵀk): DeltaNet, Gated DeltaNet.
+    Delta,
+    /// u = β v: linear attention / SSM (Mamba-2).
+    Plain,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Dims {
+    fn p(&self) -> usize {
+        2 * self.dk + self.dv + 2
+    }
+    /// Offset of token t of head h in sequence b in the packed [B,T,H,P] buffer.
+    fn at(&self, b: usize, t: usize, h: usize) -> usize {
+        ((b * self.t + t) * self.h + h) * self.p()
+    }
+}
+
+/// One step of the recurrence on a state; returns (S' scaled state kept in `s`, u).
+#[inline]
+fn step(s: &mut [f32], x: &[f32], d: Dims, rule: Rule, u: &mut [f32]) {
+    let (dk, dv) = (d.dk, d.dv);
+    let k = &x[dk..2 * dk];
+    let v = &x[2 * dk..2 * dk + dv];
+    let beta = x[2 * dk + dv];
+    let a = x[2 * dk + dv + 1].exp();
+    if a != 1.0 {
+        s.iter_mut().for_each(|e| *e *= a);
+    }
+    match rule {
+        Rule::Delta => {
+            u.copy_from_slice(v);
+            for i in 0..dk {
+                let ki = k[i];
+                let row = &s[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    u[j] -= row[j] * ki;
+                }
+            }
+            u.iter_mut().for_each(|e| *e *= beta);
+        }
+        Rule::Plain => u.iter_mut().zip(v).for_each(|(e, vj)| *e = beta * vj),
+    }
+    for i in 0..dk {
+        let ki = k[i];
+        let row = &mut s[i * dv..(i + 1) * dv];
+        for j in 0..dv {
+            row[j] += ki * u[j];
+        }
+    }
+}
+
+/// Forward of one (sequence, head): writes o [T, dv] and leaves the final state in `s`.
+fn forward_head(x: &[f32], d: Dims, (b, h): (usize, usize), scale: f32, rule: Rule, s: &mut [f32], o: &mut [f32]) {
+    let (dk, dv) = (d.dk, d.dv);
+    let mut u = vec![0f32; dv];
+    for t in 0..d.t {
+        let xt = &x[d.at(b, t, h)..d.at(b, t, h) + d.p()];
+        step(s, xt, d, rule, &mut u);
+        let q = &xt[..dk];
+        let ot = &mut o[t * dv..(t + 1) * dv];
+        ot.fill(0.0);
+        for i in 0..dk {
+            let qi = q[i] * scale;
+            let row = &s[i * dv..(i + 1) * dv];
+            for j in 0..dv {
+                ot[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
+/// Runs the forward for all (sequence, head) pairs in parallel; returns (o [B,T,H,dv], S [B,H,dk,dv]).
+fn forward_all(x: &[f32], d: Dims, scale: f32, rule: Rule) -> (Vec<f32>, Vec<f32>) {
+    let per: Vec<(Vec<f32>, Vec<f32>)> = (0..d.b * d.h)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let mut s = vec![0f32; d.dk * d.dv];
+            let mut o = vec![0f32; d.t * d.dv];
+            forward_head(x, d, (b, h), scale, rule, &mut s, &mut o);
+            (o, s)
+        })
+        .collect();
+    let mut out = vec![0f32; d.b * d.t * d.h * d.dv];
+    let mut states = Vec::with_capacity(d.b * d.h * d.dk * d.dv);
+    for (bh, (o, s)) in per.into_iter().enumerate() {
+        let (b, h) = (bh / d.h, bh % d.h);
+        for t in 0..d.t {
+            let dst = ((b * d.t + t) * d.h + h) * d.dv;
+            out[dst..dst + d.dv].copy_from_slice(&o[t * d.dv..(t + 1) * d.dv]);
+        }
+        states.extend_from_slice(&s);
+    }
+    (out, states)
+}
+
+/// Reverse-mode gradient of one (sequence, head), accumulated into `gx` (packed like `x`).
+fn backward_head(x: &[f32], go: &[f32], d: Dims, b: usize, h: usize, scale: f32, rule: Rule) -> Vec<(usize, Vec<f32>)> {
+    let (dk, dv, p) = (d.dk, d.dv, d.p());
+    let n = dk * dv;
+    // States before each chunk.
+    let mut checkpoints = Vec::new();
+    let mut s = vec![0f32; n];
+    let mut u = vec![0f32; dv];
+    for t in 0..d.t {
+        if t % CHUNK == 0 {
+            checkpoints.push(s.clone());
+        }
+        step(&mut s, &x[d.at(b, t, h)..d.at(b, t, h) + p], d, rule, &mut u);
+    }
+    let mut ds = vec![0f32; n];
+    let mut grads = Vec::with_capacity(d.t);
+    let mut prev = vec![vec![0f32; n]; CHUNK];
+    let (mut sp, mut st, mut dsp) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let (mut e, mut du) = (vec![0f32; dv], vec![0f32; dv]);
+    for c in (0..checkpoints.len()).rev() {
+        let t0 = c * CHUNK;
+        let t1 = (t0 + CHUNK).min(d.t);
+        // Re-compute S_{t-1} for every t of the chunk.
+        let mut s = checkpoints[c].clone();
+        for t in t0..t1 {
+            prev[t - t0].copy_from_slice(&s);
+            step(&mut s, &x[d.at(b, t, h)..d.at(b, t, h) + p], d, rule, &mut u);
+        }
+        for t in (t0..t1).rev() {
+            let xt = &x[d.at(b, t, h)..d.at(b, t, h) + p];
+            let (q, k, v) = (&xt[..dk], &xt[dk..2 * dk], &xt[2 * dk..2 * dk + dv]);
+            let beta = xt[2 * dk + dv];
+            let a = xt[2 * dk + dv + 1].exp();
+            let do_t = &go[((b * d.t + t) * d.h + h) * dv..][..dv];
+            let s_prev = &prev[t - t0];
+            sp.iter_mut().zip(s_prev).for_each(|(o, s)| *o = a * s);
+            // e = v − S'ᵀk (delta) or v (plain); u = β e.
+            e.copy_from_slice(v);
+            if rule == Rule::Delta {
+                for i in 0..dk {
+                    for j in 0..dv {
+                        e[j] -= sp[i * dv + j] * k[i];
+                    }
+                }
+            }
+            for i in 0..dk {
+                for j in 0..dv {
+                    st[i * dv + j] = sp[i * dv + j] + k[i] * beta * e[j];
+                }
+            }
+            let mut g = vec![0f32; p];
+            // o_t = S_tᵀ (scale q)
+            for i in 0..dk {
+                let mut acc = 0f32;
+                for j in 0..dv {
+                    acc += st[i * dv + j] * do_t[j];
+                    ds[i * dv + j] += scale * q[i] * do_t[j];
+                }
+                g[i] = scale * acc;
+            }
+            // S_t = S' + k uᵀ
+            dsp.copy_from_slice(&ds);
+            du.fill(0.0);
+            for i in 0..dk {
+                let mut acc = 0f32;
+                for j in 0..dv {
+                    acc += ds[i * dv + j] * beta * e[j];
+                    du[j] += ds[i * dv + j] * k[i];
+                }
+                g[dk + i] = acc;
+            }
+            // u = β e
+            let dbeta: f32 = du.iter().zip(e.iter()).map(|(a, b)| a * b).sum();
+            for j in 0..dv {
+                g[2 * dk + j] = beta * du[j];
+            }
+            g[2 * dk + dv] = dbeta;
+            if rule == Rule::Delta {
+                // e = v − S'ᵀk: d(pred) = −β du
+                for i in 0..dk {
+                    let mut acc = 0f32;
+                    for j in 0..dv {
+                        let dpred = -beta * du[j];
+                        dsp[i * dv + j] += k[i] * dpred;
+                        acc += sp[i * dv + j] * dpred;
+                    }
+                    g[dk + i] += acc;
+                }
+            }
+            // S' = a S_{t-1}: dg = Σ dS' ∘ S'
+            g[2 * dk + dv + 1] = dsp.iter().zip(sp.iter()).map(|(a, b)| a * b).sum();
+            ds.iter_mut().zip(dsp.iter()).for_each(|(o, d)| *o = a * d);
+            grads.push((d.at(b, t, h), g));
+        }
+    }
+    grads
+}
+
+struct RecurrenceOp {
+    h: usize,
+    dk: usize,
+    dv: usize,
+    scale: f32,
+    rule: Rule,
+}
+
+impl RecurrenceOp {
+    fn dims(&self, shape: &Shape) -> Result<Dims> {
+        let (b, t, h, p) = shape.dims4()?;
+        let d = Dims { b, t, h, dk: self.dk, dv: self.dv };
+        if h != self.h || p != d.p() {
+            candle_core::bail!("recurrence: packed input has shape {shape:?}, expected [B,T,{},{}]", self.h, d.p());
+        }
+        Ok(d)
+    }
+}
+
+impl CustomOp1 for RecurrenceOp {
+    fn name(&self) -> &'static str {
+        "statecut-recurrence"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = self.dims(layout.shape())?;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("recurrence: input must be contiguous")
+        };
+        let x = &storage.as_slice::<f32>()?[start..end];
+        let (o, _) = forward_all(x, d, self.scale, self.rule);
+        Ok((CpuStorage::F32(o), Shape::from((d.b, d.t, d.h, d.dv))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let d = self.dims(arg.shape())?;
+        let x = arg.flatten_all()?.to_vec1::<f32>()?;
+        let go = grad_res.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let parts: Vec<Vec<(usize, Vec<f32>)>> = (0..d.b * d.h)
+            .into_par_iter()
+            .map(|bh| backward_head(&x, &go, d, bh / d.h, bh % d.h, self.scale, self.rule))
+            .collect();
+        let mut gx = vec![0f32; x.len()];
+        for (off, g) in parts.into_iter().flatten() {
+            gx[off..off + g.len()].copy_from_slice(&g);
+        }
+        Ok(Some(Tensor::from_vec(gx, arg.shape(), arg.device())?))
+    }
+}
+
+/// Inputs of the recurrence, all with the value-head count H (repeat key heads first for GVA).
+pub struct Recurrence<'a> {
+    /// [B, T, H, dk]
+    pub q: &'a Tensor,
+    /// [B, T, H, dk]
+    pub k: &'a Tensor,
+    /// [B, T, H, dv]
+    pub v: &'a Tensor,
+    /// [B, T, H] write strength
+    pub beta: &'a Tensor,
+    /// [B, T, H] log decay; `None` means no decay
+    pub g: Option<&'a Tensor>,
+    pub scale: f64,
+    pub rule: Rule,
+}
+
+impl Recurrence<'_> {
+    fn packed(&self) -> Result<Tensor> {
+        let f = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let g = match self.g {
+            Some(g) => f(g)?,
+            None => Tensor::zeros(self.beta.shape(), DType::F32, &Device::Cpu)?,
+        };
+        Tensor::cat(&[f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?], 3)?
+            .contiguous()
+    }
+
+    fn op(&self) -> Result<RecurrenceOp> {
+        let (_, _, h, dk) = self.q.dims4()?;
+        Ok(RecurrenceOp { h, dk, dv: self.v.dim(3)?, scale: self.scale as f32, rule: self.rule })
+    }
+
+    /// Outputs o [B, T, H, dv] (differentiable), on the input's device and dtype.
+    pub fn forward(&self) -> Result<Tensor> {
+        let o = self.packed()?.apply_op1(self.op()?)?;
+        o.to_device(self.q.device())?.to_dtype(self.v.dtype())
+    }
+
+    /// Outputs o [B, T, H, dv] and the final state S [B, H, dk, dv] (not differentiable).
+    pub fn forward_with_state(&self) -> Result<(Tensor, Tensor)> {
+        let op = self.op()?;
+        let x = self.packed()?;
+        let d = op.dims(x.shape())?;
+        let (o, s) = forward_all(&x.flatten_all()?.to_vec1::<f32>()?, d, op.scale, op.rule);
+        let dev = self.q.device();
+        let o = Tensor::from_vec(o, (d.b, d.t, d.h, d.dv), &Device::Cpu)?.to_device(dev)?;
+        let s = Tensor::from_vec(s, (d.b, d.h, d.dk, d.dv), &Device::Cpu)?.to_device(dev)?;
+        Ok((o.to_dtype(self.v.dtype())?, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    fn rand_tensor(shape: &[usize], rng: &mut StdRng, scale: f32, offset: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + scale * (rng.random::<f32>() - 0.5)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The recurrence written with candle tensor ops, one token at a time (independent check).
+    fn naive(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        beta: &Tensor,
+        g: &Tensor,
+        scale: f64,
+        rule: Rule,
+    ) -> (Tensor, Tensor) {
+        let (b, t, h, dk) = q.dims4().unwrap();
+        let dv = v.dim(3).unwrap();
+        let mut s = Tensor::zeros((b, h, dk, dv), DType::F32, &Device::Cpu).unwrap();
+        let mut outs = Vec::new();
+        for i in 0..t {
+            let qt = (q.narrow(1, i, 1).unwrap().squeeze(1).unwrap().contiguous().unwrap() * scale).unwrap(); // [b,h,dk]
+            let kt = k.narrow(1, i, 1).unwrap().squeeze(1).unwrap().contiguous().unwrap();
+            let vt = v.narrow(1, i, 1).unwrap().squeeze(1).unwrap();
+            let bt = beta.narrow(1, i, 1).unwrap().squeeze(1).unwrap().unsqueeze(2).unwrap();
+            let at = g
+                .narrow(1, i, 1)
+                .unwrap()
+                .squeeze(1)
+                .unwrap()
+                .exp()
+                .unwrap()
+                .unsqueeze(2)
+                .unwrap()
+                .unsqueeze(3)
+                .unwrap();
+            s = s.broadcast_mul(&at).unwrap();
+            let pred = kt.unsqueeze(2).unwrap().matmul(&s).unwrap().squeeze(2).unwrap(); // [b,h,dv]
+            let u = match rule {
+                Rule::Delta => (vt - pred).unwrap().broadcast_mul(&bt).unwrap(),
+                Rule::Plain => vt.broadcast_mul(&bt).unwrap(),
+            };
+            s = (s + kt.unsqueeze(3).unwrap().matmul(&u.unsqueeze(2).unwrap()).unwrap()).unwrap();
+            outs.push(qt.unsqueeze(2).unwrap().matmul(&s).unwrap().squeeze(2).unwrap());
+        }
+        (Tensor::stack(&outs, 1).unwrap(), s)
+    }
+
+    fn inputs(t: usize) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+        let mut rng = StdRng::seed_from_u64(7);
+        let (b, h, dk, dv) = (2, 3, 5, 4);
+        (
+            rand_tensor(&[b, t, h, dk], &mut rng, 1.0, 0.0),
+            rand_tensor(&[b, t, h, dk], &mut rng, 0.8, 0.0),
+            rand_tensor(&[b, t, h, dv], &mut rng, 2.0, 0.0),
+            rand_tensor(&[b, t, h], &mut rng, 0.5, 0.5),
+            rand_tensor(&[b, t, h], &mut rng, 0.2, -0.1),
+        )
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn forward_matches_token_loop() {
+        let (q, k, v, beta, g) = inputs(37);
+        for rule in [Rule::Delta, Rule::Plain] {
+            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule };
+            let (o, s) = rec.forward_with_state().unwrap();
+            let (o2, s2) = naive(&q, &k, &v, &beta, &g, 0.7, rule);
+            assert!(max_abs_diff(&o, &o2) < 1e-4, "{rule:?} outputs differ");
+            assert!(max_abs_diff(&s, &s2) < 1e-4, "{rule:?} states differ");
+            assert!(max_abs_diff(&rec.forward().unwrap(), &o2) < 1e-4);
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        // T = 70 crosses a checkpoint boundary of the backward.
+        let (q, k, v, beta, g) = inputs(70);
+        for rule in [Rule::Delta, Rule::Plain] {
+            let packed =
+                Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule }.packed().unwrap();
+            let op = || RecurrenceOp { h: 3, dk: 5, dv: 4, scale: 0.7, rule };
+            let var = candle_core::Var::from_tensor(&packed).unwrap();
+            let mut rng = StdRng::seed_from_u64(3);
+            let w = rand_tensor(&[2, 70, 3, 4], &mut rng, 2.0, 0.0);
+            let loss = |x: &Tensor| (x.apply_op1(op()).unwrap() * &w).unwrap().sum_all().unwrap();
+            let grads = loss(var.as_tensor()).backward().unwrap();
+            let gx = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let x0 = packed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let gmax = gx.iter().fold(0f32, |a, b| a.max(b.abs()));
+            // Probe a spread of coordinates (every field of the packed layout gets hit).
+            for idx in (0..x0.len()).step_by(97) {
+                let eps = 1e-2f32;
+                let at = |d: f32| {
+                    let mut x = x0.clone();
+                    x[idx] += d;
+                    let t = Tensor::from_vec(x, packed.shape(), &Device::Cpu).unwrap();
+                    loss(&t).to_scalar::<f32>().unwrap()
+                };
+                let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                assert!(
+                    (fd - gx[idx]).abs() < 2e-3 * gmax.max(1.0),
+                    "{rule:?} grad[{idx}]: analytic {} vs numeric {fd}",
+                    gx[idx]
+                );
+            }
+        }
+    }
+}

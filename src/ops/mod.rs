@@ -1,0 +1,22 @@
+//! Math shared by every architecture adapter: written once, reused.
+
+pub mod conv;
+pub mod delta_rule;
+pub mod mlp;
+pub mod norm;
+
+use candle_core::{Result, Tensor};
+
+/// softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for large |x|.
+pub fn softplus(x: &Tensor) -> Result<Tensor> {
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+/// Repeat heads `r` times consecutively along dim 2: head j of the result is head j / r.
+pub fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let (b, t, h, d) = x.dims4()?;
+    x.unsqueeze(3)?.broadcast_as((b, t, h, r, d))?.reshape((b, t, h * r, d))
+}

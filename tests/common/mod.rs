@@ -1,0 +1,48 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// The reference data directory: `$STATECUT_TEST_DATA`, default `../shared` beside the checkout.
+/// Returns None (and says so) when it is missing, so tests that need it are skipped loudly.
+pub fn shared() -> Option<PathBuf> {
+    let p = std::env::var("STATECUT_TEST_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared"));
+    if p.join("models").is_dir() {
+        Some(p)
+    } else {
+        eprintln!(
+            "SKIPPED: reference data not found at {} (set STATECUT_TEST_DATA to the shared/ folder)",
+            p.display()
+        );
+        None
+    }
+}
+
+pub fn model_dir(name: &str) -> Option<PathBuf> {
+    shared().map(|s| s.join("models").join(name))
+}
+
+/// ||a - b|| / ||b||
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+/// Run the statecut binary; returns (exit code, stdout, stderr).
+pub fn statecut(args: &[&str], envs: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"));
+    cmd.args(args).env("HF_HUB_OFFLINE", "1");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("running statecut");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
