@@ -143,3 +143,204 @@ impl Observer for Collector {
         Ok(())
     }
 }
+
+/// What a calibration run was asked to do (recorded in the activations file).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct CalibSettings {
+    pub nsamples: usize,
+    pub seqlen: usize,
+    pub seed: u64,
+    pub rows: usize,
+    pub grad: bool,
+    pub source: String,
+}
+
+/// Identifies the model an activations file belongs to.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ModelFingerprint {
+    pub family: String,
+    pub dk: usize,
+    pub hidden: usize,
+    /// (layer, key_heads, value_heads, dv) of every prunable layer.
+    pub layers: Vec<(usize, usize, usize, usize)>,
+}
+
+impl ModelFingerprint {
+    pub fn of(layout: &StateLayout, hidden: usize) -> Self {
+        Self {
+            family: layout.family.clone(),
+            dk: layout.dk,
+            hidden,
+            layers: layout.layers.iter().map(|l| (l.layer, l.key_heads, l.value_heads, l.dv)).collect(),
+        }
+    }
+}
+
+/// Everything calibration produces.
+pub struct Calibration {
+    pub settings: CalibSettings,
+    pub fingerprint: ModelFingerprint,
+    pub collector: Collector,
+    /// Σ over sequences of dL/dW for each key/query projection (by checkpoint tensor name).
+    pub grad_sum: BTreeMap<String, Tensor>,
+    pub sequences_done: usize,
+    pub tokens: usize,
+}
+
+impl Calibration {
+    pub fn new(settings: CalibSettings, layout: &StateLayout, hidden: usize) -> Self {
+        Self {
+            collector: Collector::new(layout, settings.rows, settings.seed),
+            fingerprint: ModelFingerprint::of(layout, hidden),
+            settings,
+            grad_sum: BTreeMap::new(),
+            sequences_done: 0,
+            tokens: 0,
+        }
+    }
+
+    /// Run the remaining sequences through `model`, saving every `save_every` sequences.
+    pub fn run(
+        &mut self,
+        model: &dyn crate::arch::CausalLm,
+        seqs: &[Vec<u32>],
+        save: Option<(&std::path::Path, usize)>,
+        quiet: bool,
+    ) -> Result<()> {
+        let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
+        pb.set_position(self.sequences_done as u64);
+        for (i, seq) in seqs.iter().enumerate().skip(self.sequences_done) {
+            // Deterministic across interruptions: each sequence has its own sampling stream.
+            self.collector.reseed(self.settings.seed.wrapping_add(i as u64 * 0x1000_0000_01b3));
+            let ids = Tensor::from_slice(seq, (1, seq.len()), model.device())?;
+            let logits = model.forward(&ids, &mut self.collector)?;
+            if self.settings.grad {
+                let n = seq.len();
+                let logits = logits.narrow(1, 0, n - 1)?.squeeze(0)?.to_dtype(DType::F32)?;
+                let targets = ids.narrow(1, 1, n - 1)?.squeeze(0)?;
+                let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
+                let grads = loss.backward()?;
+                for (name, var) in model.grad_vars() {
+                    let g = grads.get(var.as_tensor()).ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;
+                    let g = g.to_dtype(DType::F32)?.to_device(&candle_core::Device::Cpu)?;
+                    let acc = match self.grad_sum.remove(name) {
+                        Some(a) => (a + g)?,
+                        None => g,
+                    };
+                    self.grad_sum.insert(name.clone(), acc);
+                }
+            }
+            self.sequences_done = i + 1;
+            self.tokens += seq.len();
+            pb.inc(1);
+            if let Some((path, every)) = save {
+                if every > 0 && self.sequences_done.is_multiple_of(every) && self.sequences_done < seqs.len() {
+                    self.save(path, false)?;
+                }
+            }
+        }
+        pb.finish_and_clear();
+        self.check_finite()
+    }
+
+    fn check_finite(&self) -> Result<()> {
+        for (layer, l) in &self.collector.layers {
+            if l.keys.rows.iter().chain(&l.queries.rows).any(|x| !x.is_finite()) {
+                anyhow::bail!(
+                    "layer {layer}: key/query activations contain NaN/inf; the model produced non-finite values (try --dtype f32)"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Save to `path` (atomically: written beside it, then renamed).
+    pub fn save(&self, path: &std::path::Path, complete: bool) -> Result<()> {
+        use std::collections::HashMap;
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        let mut seen = BTreeMap::new();
+        for (layer, l) in &self.collector.layers {
+            let w = l.keys.width;
+            tensors.push((
+                format!("layers.{layer}.keys"),
+                Tensor::from_slice(&l.keys.rows, (l.keys.len(), w), &candle_core::Device::Cpu)?,
+            ));
+            tensors.push((
+                format!("layers.{layer}.queries"),
+                Tensor::from_slice(&l.queries.rows, (l.queries.len(), w), &candle_core::Device::Cpu)?,
+            ));
+            tensors.push((
+                format!("layers.{layer}.input_sq"),
+                Tensor::from_slice(&l.input_sq, l.input_sq.len(), &candle_core::Device::Cpu)?,
+            ));
+            seen.insert(*layer, (l.keys.seen, l.queries.seen, l.input_count));
+        }
+        for (name, g) in &self.grad_sum {
+            tensors.push((format!("grad_sum.{name}"), g.clone()));
+        }
+        let mut meta = HashMap::new();
+        meta.insert("format".to_string(), "statecut-activations-v1".to_string());
+        meta.insert("settings".to_string(), serde_json::to_string(&self.settings)?);
+        meta.insert("fingerprint".to_string(), serde_json::to_string(&self.fingerprint)?);
+        meta.insert("seen".to_string(), serde_json::to_string(&seen)?);
+        meta.insert("sequences_done".to_string(), self.sequences_done.to_string());
+        meta.insert("tokens".to_string(), self.tokens.to_string());
+        meta.insert("complete".to_string(), complete.to_string());
+        crate::surgery::write_tensors_atomic(path, &tensors, meta)
+    }
+
+    /// Load a file written by [`Calibration::save`].
+    pub fn load(path: &std::path::Path, layout: &StateLayout) -> Result<(Self, bool)> {
+        use anyhow::Context;
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
+            .with_context(|| format!("{} is not a safetensors file", path.display()))?;
+        let meta = meta.metadata().clone().unwrap_or_default();
+        if meta.get("format").map(String::as_str) != Some("statecut-activations-v1") {
+            anyhow::bail!(
+                "{} is not a statecut activations file (write one with `statecut calibrate`)",
+                path.display()
+            );
+        }
+        let get = |k: &str| meta.get(k).with_context(|| format!("{}: missing metadata {k}", path.display()));
+        let settings: CalibSettings = serde_json::from_str(get("settings")?)?;
+        let fingerprint: ModelFingerprint = serde_json::from_str(get("fingerprint")?)?;
+        let seen: BTreeMap<usize, (u64, u64, u64)> = serde_json::from_str(get("seen")?)?;
+        let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)?;
+        let mut cal = Calibration::new(settings, layout, fingerprint.hidden);
+        if cal.fingerprint != fingerprint {
+            anyhow::bail!(
+                "{} was calibrated on another model ({} d_k {} with {} layers; this model is {} d_k {} with {} layers)",
+                path.display(),
+                fingerprint.family,
+                fingerprint.dk,
+                fingerprint.layers.len(),
+                cal.fingerprint.family,
+                cal.fingerprint.dk,
+                cal.fingerprint.layers.len()
+            );
+        }
+        for (layer, l) in cal.collector.layers.iter_mut() {
+            let t = |k: &str| {
+                tensors
+                    .get(&format!("layers.{layer}.{k}"))
+                    .with_context(|| format!("{}: missing layers.{layer}.{k}", path.display()))
+            };
+            l.keys.rows = t("keys")?.flatten_all()?.to_vec1::<f32>()?;
+            l.queries.rows = t("queries")?.flatten_all()?.to_vec1::<f32>()?;
+            l.input_sq = t("input_sq")?.to_vec1::<f64>()?;
+            let (ks, qs, ic) = seen.get(layer).copied().unwrap_or_default();
+            (l.keys.seen, l.queries.seen, l.input_count) = (ks, qs, ic);
+        }
+        for (name, t) in tensors {
+            if let Some(n) = name.strip_prefix("grad_sum.") {
+                cal.grad_sum.insert(n.to_string(), t);
+            }
+        }
+        cal.sequences_done = get("sequences_done")?.parse()?;
+        cal.tokens = get("tokens")?.parse()?;
+        let complete = get("complete")? == "true";
+        cal.check_finite()?;
+        Ok((cal, complete))
+    }
+}

@@ -198,3 +198,17 @@ pub fn parse_config(text: &str) -> Result<Value> {
     }
     Ok(serde_json::from_str(&out)?)
 }
+
+impl Checkpoint {
+    /// One stored tensor as float32 on the CPU.
+    pub fn tensor_f32(&self, name: &str) -> Result<candle_core::Tensor> {
+        let info = self.info(name)?;
+        let vb = self.var_builder(DType::F32, &Device::Cpu)?;
+        Ok(vb.get(info.shape.clone(), name)?)
+    }
+
+    /// Number of parameters (elements of every stored tensor).
+    pub fn num_params(&self) -> usize {
+        self.tensors.values().map(|t| t.shape.iter().product::<usize>()).sum()
+    }
+}

@@ -103,26 +103,28 @@ pub struct InspectArgs {
 }
 
 /// Calibration data and sampling.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Default, Args)]
 pub struct CalibArgs {
     /// Calibration text: .jsonl, .txt, .parquet, or a hub dataset `org/name[:subset[:split]]`
     /// (default: built-in text).
     #[arg(long)]
     pub calib: Option<String>,
-    #[arg(long, default_value = "text")]
-    pub text_column: String,
-    /// Number of calibration sequences.
-    #[arg(long, default_value_t = 128)]
-    pub nsamples: usize,
-    /// Tokens per calibration sequence.
-    #[arg(long, default_value_t = 2048)]
-    pub seqlen: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Key+query rows kept per layer (half keys, half queries, uniform over tokens).
-    #[arg(long, default_value_t = 5000)]
-    pub rows: usize,
-    /// Also accumulate |W * dL/dW| for the key/query projections (needed by --method grad).
+    /// Field holding the text in jsonl/parquet files [default: text].
+    #[arg(long)]
+    pub text_column: Option<String>,
+    /// Number of calibration sequences [default: 128].
+    #[arg(long)]
+    pub nsamples: Option<usize>,
+    /// Tokens per calibration sequence [default: 2048].
+    #[arg(long)]
+    pub seqlen: Option<usize>,
+    /// Seed for row sampling and the rand selector [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Key+query rows kept per layer, half keys and half queries, uniform over tokens [default: 5000].
+    #[arg(long)]
+    pub rows: Option<usize>,
+    /// Also accumulate dL/dW for the key/query projections (needed by --method grad).
     #[arg(long)]
     pub grad: bool,
 }
@@ -180,11 +182,15 @@ pub struct PruneArgs {
     /// Evaluate perplexity before and after on this text (.jsonl/.txt/.parquet).
     #[arg(long)]
     pub eval: Option<String>,
-    /// Windows and window length for --eval.
-    #[arg(long, default_value_t = 64)]
-    pub eval_windows: usize,
-    #[arg(long, default_value_t = 512)]
-    pub eval_seqlen: usize,
+    /// Number of --eval windows [default: 64].
+    #[arg(long)]
+    pub eval_windows: Option<usize>,
+    /// Tokens per --eval window [default: 512].
+    #[arg(long)]
+    pub eval_seqlen: Option<usize>,
+    /// Check everything and print the plan without calibrating or writing anything.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 #[derive(Debug, Args)]

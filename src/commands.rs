@@ -123,3 +123,62 @@ fn write_plots(dir: &std::path::Path, r: &crate::inspect::InspectReport) -> Resu
     }
     Ok(())
 }
+
+pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
+    use crate::calib::{CalibSettings, Calibration};
+    let c = crate::recipe::Calib::resolve(&args.calib, &crate::recipe::Recipe::default())?;
+    let src = TextSource::parse(c.source.as_deref(), &c.text_column)?;
+    let partial = args.output.with_extension("partial.safetensors");
+    if args.output.exists() && !args.resume {
+        anyhow::bail!("{} already exists; remove it or choose another -o", args.output.display());
+    }
+    let m = load(&args.model, args.calib.grad, quiet)?;
+    let hidden = m
+        .ckpt
+        .config
+        .get("hidden_size")
+        .or_else(|| m.ckpt.config.pointer("/text_config/hidden_size"))
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize;
+    let settings = CalibSettings {
+        nsamples: c.nsamples,
+        seqlen: c.seqlen,
+        seed: c.seed,
+        rows: c.rows,
+        grad: args.calib.grad,
+        source: c.source.clone().unwrap_or_else(|| "builtin".into()),
+    };
+    let mut cal = if args.resume && partial.exists() {
+        let (cal, _) = Calibration::load(&partial, &m.layout)?;
+        if cal.settings != settings {
+            anyhow::bail!(
+                "{} was started with other settings ({:?}); pass the same flags to resume",
+                partial.display(),
+                cal.settings
+            );
+        }
+        if !quiet {
+            eprintln!("resuming after {} of {} sequences", cal.sequences_done, settings.nsamples);
+        }
+        cal
+    } else {
+        Calibration::new(settings, &m.layout, hidden)
+    };
+    let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
+    cal.run(m.model.as_ref(), &seqs, Some((&partial, args.save_every)), quiet)?;
+    cal.save(&args.output, true)?;
+    if partial.exists() {
+        std::fs::remove_file(&partial)?;
+    }
+    let rows: usize = cal.collector.layers.values().map(|l| l.keys.len() + l.queries.len()).sum();
+    println!(
+        "calibrated {} sequences ({} tokens): {} key/query rows over {} layers{} -> {}",
+        cal.sequences_done,
+        cal.tokens,
+        rows,
+        cal.collector.layers.len(),
+        if args.calib.grad { ", gradients" } else { "" },
+        args.output.display()
+    );
+    Ok(())
+}

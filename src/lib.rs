@@ -18,6 +18,8 @@ pub mod linalg;
 pub mod ops;
 pub mod plot;
 pub mod progress;
+pub mod prune;
+pub mod recipe;
 pub mod report;
 pub mod select;
 pub mod surgery;

@@ -7,7 +7,9 @@ fn main() {
     let result = match &cli.command {
         Command::Eval(a) => statecut::commands::eval(a, q),
         Command::Inspect(a) => statecut::commands::inspect(a, q),
-        Command::Calibrate(_) | Command::Prune(_) | Command::Bench(_) => Err(anyhow::anyhow!("not built yet")),
+        Command::Calibrate(a) => statecut::commands::calibrate(a, q),
+        Command::Prune(a) => statecut::prune::run(a, q),
+        Command::Bench(_) => Err(anyhow::anyhow!("bench is not available yet")),
     };
     if let Err(e) = result {
         // One line: the context chain joined with ": " (candle appends backtraces on later lines).

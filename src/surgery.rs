@@ -1,1 +1,230 @@
-//! Checkpoint surgery.
+//! Checkpoint surgery: slice rows out of the stored key/query tensors and write a new model
+//! directory. Untouched tensors are copied byte for byte (no dtype round trip), every shard is
+//! written with `{"format": "pt"}` metadata, and the output appears only when complete.
+
+use crate::arch::StateLayout;
+use crate::checkpoint::{Checkpoint, WeightFormat};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+/// A tensor as raw little-endian bytes.
+pub struct RawTensor<'a> {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl safetensors::View for RawTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A CPU candle tensor (f32/f64) as raw bytes.
+fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {
+    let shape = t.dims().to_vec();
+    let flat = t.flatten_all()?;
+    let (dtype, data) = match t.dtype() {
+        DType::F32 => (safetensors::Dtype::F32, flat.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        DType::F64 => (safetensors::Dtype::F64, flat.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        d => bail!("cannot serialise a {d:?} tensor"),
+    };
+    Ok(RawTensor { dtype, shape, data: Cow::Owned(data) })
+}
+
+/// Write candle tensors to a safetensors file with metadata, via a temporary file + rename.
+pub fn write_tensors_atomic(path: &Path, tensors: &[(String, Tensor)], meta: HashMap<String, String>) -> Result<()> {
+    let raws = tensors.iter().map(|(n, t)| Ok((n.clone(), raw_of(t)?))).collect::<Result<Vec<_>>>()?;
+    let tmp = sibling_tmp(path);
+    safetensors::serialize_to_file(raws, Some(meta), &tmp).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// `dir/.name.statecut-tmp-PID`: beside the target so the final rename stays on one filesystem.
+pub fn sibling_tmp(path: &Path) -> PathBuf {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    path.with_file_name(format!(".{name}.statecut-tmp-{}", std::process::id()))
+}
+
+/// The kept key/query channels: layer → key head → sorted channel indices.
+pub type KeepSets = BTreeMap<usize, Vec<Vec<usize>>>;
+
+/// Rows of every sliced tensor to keep, by tensor name.
+pub fn kept_rows(ckpt: &Checkpoint, layout: &StateLayout, keep: &KeepSets) -> Result<BTreeMap<String, Vec<usize>>> {
+    let mut out = BTreeMap::new();
+    for l in &layout.layers {
+        let sets = keep.get(&l.layer).with_context(|| format!("no kept channels for layer {}", l.layer))?;
+        // Group the slices by tensor: one tensor can hold several slices (q and k of in_proj_qkv).
+        let mut by_tensor: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
+        for s in &l.slices {
+            let dropped = by_tensor.entry(&s.tensor).or_default();
+            for (h, kept) in sets.iter().enumerate() {
+                let kept: BTreeSet<usize> = kept.iter().copied().collect();
+                for j in (0..layout.dk).filter(|j| !kept.contains(j)) {
+                    dropped.insert(s.offset + h * s.head_stride + j);
+                }
+            }
+        }
+        for (t, dropped) in by_tensor {
+            let rows = ckpt.info(t)?.shape[0];
+            if let Some(bad) = dropped.iter().find(|r| **r >= rows) {
+                bail!("{t}: row {bad} out of range ({rows} rows): the layout does not match the checkpoint");
+            }
+            out.insert(t.to_string(), (0..rows).filter(|r| !dropped.contains(r)).collect());
+        }
+    }
+    Ok(out)
+}
+
+/// What the writer did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WriteStats {
+    pub tensors: usize,
+    pub sliced: usize,
+    pub bytes: u64,
+    pub params: usize,
+}
+
+/// Write the pruned checkpoint into `dir` (which must not exist yet).
+pub fn write_checkpoint(
+    ckpt: &Checkpoint,
+    rows: &BTreeMap<String, Vec<usize>>,
+    config: &serde_json::Value,
+    dir: &Path,
+) -> Result<WriteStats> {
+    if ckpt.format != WeightFormat::Safetensors {
+        bail!("writing pytorch_model.bin checkpoints is not supported yet; convert the input to safetensors first");
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut stats = WriteStats { tensors: 0, sliced: 0, bytes: 0, params: 0 };
+    let mut weight_map = serde_json::Map::new();
+    for file in &ckpt.files {
+        let f = std::fs::File::open(file)?;
+        // SAFETY: read-only map of an input file that statecut never modifies.
+        let mmap = unsafe { memmap2::Mmap::map(&f)? };
+        let st = safetensors::SafeTensors::deserialize(&mmap).with_context(|| format!("reading {}", file.display()))?;
+        let mut out = Vec::new();
+        for (name, view) in st.tensors() {
+            let mut shape = view.shape().to_vec();
+            let data = match rows.get(&name) {
+                None => Cow::Borrowed(view.data()),
+                Some(keep) => {
+                    let row_bytes = view.data().len() / shape[0];
+                    let mut buf = Vec::with_capacity(keep.len() * row_bytes);
+                    for r in keep {
+                        buf.extend_from_slice(&view.data()[r * row_bytes..(r + 1) * row_bytes]);
+                    }
+                    shape[0] = keep.len();
+                    stats.sliced += 1;
+                    Cow::Owned(buf)
+                }
+            };
+            stats.tensors += 1;
+            stats.bytes += data.len() as u64;
+            stats.params += shape.iter().product::<usize>();
+            let fname = file.file_name().unwrap().to_string_lossy().into_owned();
+            weight_map.insert(name.clone(), serde_json::Value::String(fname));
+            out.push((name, RawTensor { dtype: view.dtype(), shape, data }));
+        }
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let target = dir.join(file.file_name().unwrap());
+        safetensors::serialize_to_file(out, Some(meta), &target)
+            .with_context(|| format!("writing {}", target.display()))?;
+    }
+    if ckpt.sharded {
+        let index = serde_json::json!({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)? + "\n")?;
+    }
+    // Every other file (tokenizer, generation config, chat template, remote code) is carried over.
+    let weights: BTreeSet<PathBuf> = ckpt.files.iter().cloned().collect();
+    for e in std::fs::read_dir(&ckpt.dir)? {
+        let p = e?.path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        let skip = weights.contains(&p)
+            || name == "config.json"
+            || name == "model.safetensors.index.json"
+            || name.starts_with('.')
+            || name.starts_with("statecut_");
+        if p.is_file() && !skip {
+            let to = dir.join(&name);
+            std::fs::copy(&p, &to).with_context(|| format!("copying {}", p.display()))?;
+            // Inputs may be read-only (hub cache, shared folders); outputs belong to the user.
+            let mut perm = std::fs::metadata(&to)?.permissions();
+            #[allow(clippy::permissions_set_readonly_false)]
+            perm.set_readonly(false);
+            std::fs::set_permissions(&to, perm)?;
+        }
+    }
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(config)? + "\n")?;
+    Ok(stats)
+}
+
+/// An output directory being built: a hidden sibling that becomes `target` on [`Staged::commit`],
+/// and is removed if dropped uncommitted (errors, interrupts), so no half-written output remains.
+pub struct Staged {
+    pub tmp: PathBuf,
+    pub target: PathBuf,
+    committed: bool,
+}
+
+impl Staged {
+    /// Check the target up front: it must not exist unless `overwrite`.
+    pub fn new(target: &Path, overwrite: bool, input: &Path) -> Result<Self> {
+        if target.exists() && !overwrite {
+            bail!("output directory {} already exists; pass --overwrite to replace it", target.display());
+        }
+        if let (Ok(a), Ok(b)) = (target.canonicalize(), input.canonicalize()) {
+            if a == b {
+                bail!("the output directory is the input model; choose another -o");
+            }
+        }
+        let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if !parent.is_dir() {
+            bail!("the parent of the output directory, {}, does not exist", parent.display());
+        }
+        let tmp = sibling_tmp(target);
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        Ok(Self { tmp, target: target.to_path_buf(), committed: false })
+    }
+
+    /// Move the finished directory into place (replacing an old one only now).
+    pub fn commit(mut self) -> Result<()> {
+        if self.target.exists() {
+            let old = self.target.with_file_name(format!(
+                ".{}.statecut-old-{}",
+                self.target.file_name().unwrap().to_string_lossy(),
+                std::process::id()
+            ));
+            std::fs::rename(&self.target, &old)?;
+            std::fs::rename(&self.tmp, &self.target)?;
+            std::fs::remove_dir_all(&old)?;
+        } else {
+            std::fs::rename(&self.tmp, &self.target)?;
+        }
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed && self.tmp.exists() {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! `prune`: calibrate (or read saved activations), select channels per head, write the smaller
+//! checkpoint, reload it, evaluate, report. Every check that can fail cheaply runs first.
+
+use crate::arch::{Family, LoadOptions, SliceRole, StateLayout};
+use crate::calib::{CalibSettings, Calibration};
+use crate::checkpoint::{Checkpoint, WeightFormat};
+use crate::cli::PruneArgs;
+use crate::data::{windows, TextSource};
+use crate::recipe::Plan;
+use crate::report::{CalibrationInfo, HeadReport, LayerReport, Perplexity, PruneReport};
+use crate::select::{self, HeadChoice, Method, ScoreOn};
+use crate::surgery::{kept_rows, write_checkpoint, KeepSets, Staged};
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+
+/// A head's projection rows: one row-major [dk, D] block per query/key projection slice.
+fn head_blocks(
+    ckpt: &Checkpoint,
+    layout: &StateLayout,
+    layer: usize,
+    cache: &mut BTreeMap<String, Vec<f32>>,
+    source: Option<&BTreeMap<String, candle_core::Tensor>>,
+) -> Result<Vec<Vec<Vec<f32>>>> {
+    let l = layout.layer(layer).context("layer not in layout")?;
+    let dk = layout.dk;
+    let mut per_head = vec![Vec::new(); l.key_heads];
+    for s in l.slices.iter().filter(|s| matches!(s.role, SliceRole::QueryProj | SliceRole::KeyProj)) {
+        let key = format!("{}{}", if source.is_some() { "grad:" } else { "" }, s.tensor);
+        if !cache.contains_key(&key) {
+            let t = match source {
+                Some(g) => g.get(&s.tensor).cloned().with_context(|| {
+                    format!("the activations file has no gradient for {}; re-run calibration with --grad", s.tensor)
+                })?,
+                None => ckpt.tensor_f32(&s.tensor)?,
+            };
+            cache.insert(key.clone(), t.flatten_all()?.to_vec1::<f32>()?);
+        }
+        let data = &cache[&key];
+        let cols = ckpt.info(&s.tensor)?.shape[1..].iter().product::<usize>();
+        for (h, blocks) in per_head.iter_mut().enumerate() {
+            let r0 = s.offset + h * s.head_stride;
+            blocks.push(data[r0 * cols..(r0 + dk) * cols].to_vec());
+        }
+    }
+    Ok(per_head)
+}
+
+/// Select the kept channels of every head of every prunable layer.
+fn select_all(
+    ckpt: &Checkpoint,
+    layout: &StateLayout,
+    plan: &Plan,
+    k: usize,
+    calib: Option<&Calibration>,
+    quiet: bool,
+) -> Result<Vec<LayerReport>> {
+    let dk = layout.dk;
+    let heads: usize = layout.layers.iter().map(|l| l.key_heads).sum();
+    let pb = crate::progress::bar(heads as u64, plan.method.name(), quiet);
+    let mut out = Vec::new();
+    for l in &layout.layers {
+        let mut cache = BTreeMap::new();
+        let weights = head_blocks(ckpt, layout, l.layer, &mut cache, None)?;
+        let grads = match (plan.method, calib) {
+            (Method::Grad, Some(c)) => Some(head_blocks(ckpt, layout, l.layer, &mut cache, Some(&c.grad_sum))?),
+            _ => None,
+        };
+        let lc = calib.map(|c| &c.collector.layers[&l.layer]);
+        let mut heads = Vec::new();
+        for (h, w) in weights.iter().enumerate() {
+            let acts = lc.map(|lc| (lc.keys.head(h, dk), lc.queries.head(h, dk)));
+            let m_qk = acts.as_ref().map(|(kk, qq)| select::drrqr_stack(&[kk, qq], dk));
+            let choice = match plan.method {
+                Method::L1 => scored(select::l1_scores(w, dk), k),
+                Method::Swanda => {
+                    let norms = lc.context("S-Wanda needs calibration")?.input_norms();
+                    scored(select::swanda_scores(w, dk, &norms), k)
+                }
+                Method::Grad => {
+                    scored(select::grad_scores(w, &grads.as_ref().context("Grad needs gradients")?[h], dk), k)
+                }
+                Method::Rand => scored(select::rand_scores(dk, plan.calib.seed, l.layer, h), k),
+                Method::Drrqr => {
+                    let (kk, qq) = acts.as_ref().context("DRRQR needs calibration activations")?;
+                    let m = match plan.score_on {
+                        ScoreOn::Qk => m_qk.clone().unwrap(),
+                        ScoreOn::K => select::drrqr_stack(&[kk], dk),
+                        ScoreOn::Q => select::drrqr_stack(&[qq], dk),
+                    };
+                    select::drrqr(&m, k, plan.rrqr_f).with_context(|| format!("layer {} head {h}", l.layer))?
+                }
+            };
+            let (kappa_before, kappa_after) = match &m_qk {
+                Some(m) => (Some(select::kappa(m, None)?), Some(select::kappa(m, Some(&choice.kept))?)),
+                None => (None, None),
+            };
+            heads.push(HeadReport { head: h, choice, kappa_before, kappa_after });
+            pb.inc(1);
+        }
+        out.push(LayerReport { layer: l.layer, heads });
+    }
+    pb.finish_and_clear();
+    Ok(out)
+}
+
+fn scored(scores: Vec<f64>, k: usize) -> HeadChoice {
+    HeadChoice { kept: select::top_k(&scores, k), scores, rrqr: None }
+}
+
+/// Perplexity of a model on prepared windows.
+fn ppl(model: &dyn crate::arch::CausalLm, wins: &[&[u32]], quiet: bool) -> Result<f64> {
+    Ok(crate::eval::perplexity(model, wins, 1, quiet)?.ppl)
+}
+
+pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
+    let plan = Plan::resolve(args)?;
+    let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
+    let ckpt = Checkpoint::open(&dir)?;
+    let family: &dyn Family = crate::arch::family_for(&ckpt)?;
+    let layout = family.layout(&ckpt)?;
+    let k = plan.kept_width(layout.dk)?;
+    if ckpt.format != WeightFormat::Safetensors {
+        bail!("{}: writing pytorch_model.bin checkpoints is not supported yet", dir.display());
+    }
+    let staged = Staged::new(&args.output, args.overwrite, &dir)?;
+    let calib_src = TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?;
+    let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
+    let hidden = ckpt
+        .config
+        .get("hidden_size")
+        .or_else(|| ckpt.config.pointer("/text_config/hidden_size"))
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize;
+    let saved = match &args.activations {
+        Some(p) => {
+            let (cal, complete) = Calibration::load(p, &layout)?;
+            if !complete {
+                bail!("{} is a partial calibration; finish it with `statecut calibrate --resume`", p.display());
+            }
+            if plan.method == Method::Grad && cal.grad_sum.is_empty() {
+                bail!("{} has no gradients; calibrate with --grad to use --method grad", p.display());
+            }
+            Some(cal)
+        }
+        None => None,
+    };
+    let calibrate_now = saved.is_none() && (plan.method.needs_activations() || plan.calib.source.is_some());
+    if args.dry_run {
+        println!(
+            "plan: {} d_k {} -> {k} with {} (ratio {}), {} layers; calibration: {}; output {}",
+            layout.family,
+            layout.dk,
+            plan.method.name(),
+            plan.ratio,
+            layout.layers.len(),
+            if saved.is_some() {
+                "saved activations"
+            } else if calibrate_now {
+                "now"
+            } else {
+                "none"
+            },
+            args.output.display()
+        );
+        return Ok(());
+    }
+    let need_model = calibrate_now || eval_src.is_some();
+    let loaded = if need_model {
+        Some(crate::commands::load(&args.model, calibrate_now && plan.method == Method::Grad, quiet)?)
+    } else {
+        None
+    };
+    let calibration = match (saved, &loaded) {
+        (Some(c), _) => Some(c),
+        (None, Some(m)) if calibrate_now => {
+            let seqs =
+                crate::commands::sequences(&m.tokenizer, &calib_src, plan.calib.nsamples, plan.calib.seqlen, quiet)?;
+            let settings = CalibSettings {
+                nsamples: plan.calib.nsamples,
+                seqlen: plan.calib.seqlen,
+                seed: plan.calib.seed,
+                rows: plan.calib.rows,
+                grad: plan.method == Method::Grad,
+                source: plan.calib.source.clone().unwrap_or_else(|| "builtin".into()),
+            };
+            let mut cal = Calibration::new(settings, &layout, hidden);
+            cal.run(m.model.as_ref(), &seqs, None, quiet)?;
+            Some(cal)
+        }
+        _ => None,
+    };
+    let layers = select_all(&ckpt, &layout, &plan, k, calibration.as_ref(), quiet)?;
+    let keep: KeepSets =
+        layers.iter().map(|l| (l.layer, l.heads.iter().map(|h| h.choice.kept.clone()).collect())).collect();
+
+    // Baseline perplexity, then the output is written, reloaded and evaluated before it is committed.
+    let eval_tokens = match (&eval_src, &loaded) {
+        (Some(src), Some(m)) => Some(m.tokenizer.stream(src.documents()?, plan.eval_windows * plan.eval_seqlen + 1)?),
+        _ => None,
+    };
+    let wins = eval_tokens.as_ref().map(|t| windows(t, plan.eval_seqlen, plan.eval_windows));
+    let before = match (&wins, &loaded) {
+        (Some(w), Some(m)) => Some(ppl(m.model.as_ref(), w, quiet)?),
+        _ => None,
+    };
+    drop(loaded);
+    let mut config = ckpt.config.clone();
+    family.set_key_width(&mut config, &layout, k)?;
+    let rows = kept_rows(&ckpt, &layout, &keep)?;
+    let stats = write_checkpoint(&ckpt, &rows, &config, &staged.tmp)?;
+    let out_ckpt = Checkpoint::open(&staged.tmp)?;
+    let out_layout = family.layout(&out_ckpt).context("the pruned config does not parse")?;
+    if out_layout.dk != k || out_layout.layers.len() != layout.layers.len() {
+        bail!("internal error: the pruned config describes d_k {} (expected {k})", out_layout.dk);
+    }
+    let device = crate::device::parse_device(&args.model.device)?;
+    let dtype = crate::device::parse_dtype(&args.model.dtype, &device)?;
+    let reloaded = family
+        .load(&out_ckpt, &LoadOptions { dtype, device, grad: false })
+        .context("reloading the pruned checkpoint")?;
+    let after = match &wins {
+        Some(w) => Some(ppl(reloaded.as_ref(), w, quiet)?),
+        None => None,
+    };
+    let checked: Vec<bool> = layers
+        .iter()
+        .flat_map(|l| l.heads.iter().filter_map(|h| h.choice.rrqr.as_ref().map(|r| r.bounds_hold)))
+        .collect();
+    let report = PruneReport {
+        tool: "statecut",
+        version: env!("CARGO_PKG_VERSION"),
+        model: args.model.model.clone(),
+        model_type: ckpt.model_type()?,
+        family: layout.family.clone(),
+        output: args.output.display().to_string(),
+        plan: plan.clone(),
+        dk_before: layout.dk,
+        dk_after: k,
+        layers_pruned: layout.layers.len(),
+        key_heads_per_layer: layout.layers.first().map_or(0, |l| l.key_heads),
+        state_elems_before: layout.state_elems(layout.dk),
+        state_elems_after: layout.state_elems(k),
+        params_before: ckpt.num_params(),
+        params_after: stats.params,
+        calibration: calibration.as_ref().map(|c| CalibrationInfo {
+            source: c.settings.source.clone(),
+            sequences: c.sequences_done,
+            tokens: c.tokens,
+            rows_per_layer: c.settings.rows,
+        }),
+        ppl: match (before, after) {
+            (Some(b), Some(a)) => Some(Perplexity {
+                data: plan.eval.clone().unwrap_or_default(),
+                windows: wins.as_ref().map_or(0, Vec::len),
+                seqlen: plan.eval_seqlen,
+                before: b,
+                after: a,
+            }),
+            _ => None,
+        },
+        rrqr_bounds_hold: (!checked.is_empty()).then(|| (checked.iter().filter(|b| **b).count(), checked.len())),
+        layers,
+    };
+    std::fs::write(staged.tmp.join("statecut_report.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+    std::fs::write(staged.tmp.join("statecut_report.md"), report.markdown())?;
+    std::fs::write(staged.tmp.join("statecut_recipe.toml"), toml::to_string(&recipe_of(&plan))?)?;
+    staged.commit()?;
+    println!("{}", report.summary());
+    if !quiet {
+        eprintln!("wrote {}", args.output.display());
+    }
+    Ok(())
+}
+
+/// The recipe that reproduces a plan.
+fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
+    crate::recipe::Recipe {
+        method: Some(p.method.name().into()),
+        ratio: Some(p.ratio),
+        round_to: Some(p.round_to),
+        rrqr_f: Some(p.rrqr_f),
+        score_on: Some(format!("{:?}", p.score_on).to_lowercase()),
+        calib: p.calib.source.clone(),
+        text_column: Some(p.calib.text_column.clone()),
+        nsamples: Some(p.calib.nsamples),
+        seqlen: Some(p.calib.seqlen),
+        seed: Some(p.calib.seed),
+        rows: Some(p.calib.rows),
+        eval: p.eval.clone(),
+        eval_windows: Some(p.eval_windows),
+        eval_seqlen: Some(p.eval_seqlen),
+    }
+}

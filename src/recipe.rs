@@ -1,0 +1,133 @@
+//! Prune recipes: a TOML file with the same keys as the `prune` flags (`--config`), so the
+//! paper's settings live in `configs/` and runs are reproducible. Flags given on the command
+//! line override the file.
+
+use crate::cli::{CalibArgs, PruneArgs};
+use crate::select::{Method, ScoreOn};
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Every setting of a prune run, as written in a recipe file.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    pub method: Option<String>,
+    pub ratio: Option<f64>,
+    pub round_to: Option<usize>,
+    pub rrqr_f: Option<f64>,
+    pub score_on: Option<String>,
+    pub calib: Option<String>,
+    pub text_column: Option<String>,
+    pub nsamples: Option<usize>,
+    pub seqlen: Option<usize>,
+    pub seed: Option<u64>,
+    pub rows: Option<usize>,
+    pub eval: Option<String>,
+    pub eval_windows: Option<usize>,
+    pub eval_seqlen: Option<usize>,
+}
+
+impl Recipe {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading recipe {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{} is not a valid statecut recipe", path.display()))
+    }
+}
+
+/// Calibration settings with defaults applied.
+#[derive(Debug, Clone, Serialize)]
+pub struct Calib {
+    pub source: Option<String>,
+    pub text_column: String,
+    pub nsamples: usize,
+    pub seqlen: usize,
+    pub seed: u64,
+    pub rows: usize,
+}
+
+impl Calib {
+    pub fn resolve(a: &CalibArgs, r: &Recipe) -> Result<Self> {
+        let c = Self {
+            source: a.calib.clone().or(r.calib.clone()),
+            text_column: a.text_column.clone().or(r.text_column.clone()).unwrap_or_else(|| "text".into()),
+            nsamples: a.nsamples.or(r.nsamples).unwrap_or(128),
+            seqlen: a.seqlen.or(r.seqlen).unwrap_or(2048),
+            seed: a.seed.or(r.seed).unwrap_or(0),
+            rows: a.rows.or(r.rows).unwrap_or(5000),
+        };
+        if c.nsamples == 0 || c.seqlen < 2 || c.rows < 2 {
+            bail!("--nsamples, --seqlen and --rows must be positive (seqlen and rows at least 2)");
+        }
+        Ok(c)
+    }
+}
+
+/// A validated prune plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    pub method: Method,
+    pub ratio: f64,
+    pub round_to: usize,
+    pub rrqr_f: f64,
+    pub score_on: ScoreOn,
+    pub calib: Calib,
+    pub eval: Option<String>,
+    pub eval_windows: usize,
+    pub eval_seqlen: usize,
+}
+
+impl Plan {
+    pub fn resolve(a: &PruneArgs) -> Result<Self> {
+        let r = match &a.config {
+            Some(p) => Recipe::load(p)?,
+            None => Recipe::default(),
+        };
+        let method: Method = a
+            .method
+            .clone()
+            .or(r.method.clone())
+            .context("--method is required (l1, swanda, grad, rand or drrqr)")?
+            .parse()?;
+        let ratio = a
+            .ratio
+            .or(r.ratio)
+            .context("--ratio is required: the fraction of key/query channels to remove, in (0, 1)")?;
+        if !(ratio > 0.0 && ratio < 1.0) {
+            bail!("--ratio {ratio} is outside (0, 1): it is the fraction of key/query channels to remove");
+        }
+        let rrqr_f = a.rrqr_f.or(r.rrqr_f).unwrap_or(1.5);
+        if !(rrqr_f > 1.0 && rrqr_f.is_finite()) {
+            bail!("--rrqr-f {rrqr_f} must be a finite number > 1");
+        }
+        Ok(Self {
+            method,
+            ratio,
+            round_to: a.round_to.or(r.round_to).unwrap_or(1).max(1),
+            rrqr_f,
+            score_on: a.score_on.clone().or(r.score_on.clone()).unwrap_or_else(|| "qk".into()).parse()?,
+            calib: Calib::resolve(&a.calib, &r)?,
+            eval: a.eval.clone().or(r.eval.clone()),
+            eval_windows: a.eval_windows.or(r.eval_windows).unwrap_or(64),
+            eval_seqlen: a.eval_seqlen.or(r.eval_seqlen).unwrap_or(512),
+        })
+    }
+
+    /// Kept width: floor(d_k (1 − ratio)), rounded down to a multiple of `round_to`.
+    pub fn kept_width(&self, dk: usize) -> Result<usize> {
+        let k = (dk as f64 * (1.0 - self.ratio) + 1e-9).floor() as usize;
+        let k = k / self.round_to * self.round_to;
+        if k == 0 {
+            bail!(
+                "--ratio {} leaves 0 of {dk} key channels per head{}; use a smaller ratio",
+                self.ratio,
+                if self.round_to > 1 {
+                    format!(" after rounding to a multiple of {}", self.round_to)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        Ok(k)
+    }
+}
