@@ -82,6 +82,13 @@ fn select_all(
                 Method::Rand => scored(select::rand_scores(dk, plan.calib.seed, l.layer, h), k),
                 Method::Drrqr => {
                     let (kk, qq) = acts.as_ref().context("DRRQR needs calibration activations")?;
+                    let rows = (kk.len() + qq.len()) / dk;
+                    if rows < dk {
+                        bail!(
+                            "layer {} head {h}: fewer calibration rows ({rows}) than key channels ({dk}): the activation matrix is rank-deficient; raise --rows or calibrate on more tokens",
+                            l.layer
+                        );
+                    }
                     let m = match plan.score_on {
                         ScoreOn::Qk => m_qk.clone().unwrap(),
                         ScoreOn::K => select::drrqr_stack(&[kk], dk),

@@ -75,7 +75,7 @@ mod tests {
         let k = vec![0.0, 0.0, 1.0, -1.0, 0.0, 0.0];
         let w = [q, k];
         assert_eq!(l1_scores(&w, 2), vec![4.0, 2.5]);
-        assert_eq!(swanda_scores(&w, 2, &[1.0, 0.0, 2.0]), vec![3.0, 2.0]);
+        assert_eq!(swanda_scores(&w, 2, &[1.0, 0.0, 2.0]), vec![3.0, 2.5]);
         let g = [vec![1.0; 6], vec![2.0; 6]];
         assert_eq!(grad_scores(&w, &g, 2), vec![5.0, 3.5]);
         assert_ne!(rand_scores(8, 0, 0, 0), rand_scores(8, 0, 0, 1));

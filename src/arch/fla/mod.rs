@@ -217,3 +217,22 @@ impl Family for GatedDeltaNetFamily {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::float_for_product;
+
+    #[test]
+    fn expand_v_nudge_survives_int_and_json() {
+        for dv in [128usize, 256, 512, 1024] {
+            for dk in 1..=256usize {
+                let e = float_for_product(dv, dk);
+                let back: f64 = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
+                assert_eq!(((dk as f64) * back) as usize, dv, "dv {dv} dk {dk}");
+                assert!(((dk as f64 * back) - dv as f64).abs() <= 1e-5 * dv as f64, "isclose rel_tol 1e-5");
+            }
+        }
+        // The plain quotient fails for some widths, which is why the nudge exists.
+        assert!((1..=256usize).any(|dk| ((dk as f64) * (512.0 / dk as f64)) as usize != 512));
+    }
+}
