@@ -146,7 +146,7 @@ pub struct CalibrateArgs {
     pub save_every: usize,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct PruneArgs {
     #[command(flatten)]
     pub model: ModelArgs,
@@ -215,4 +215,33 @@ pub struct BenchArgs {
     pub compare: Option<String>,
     #[arg(long)]
     pub json: bool,
+}
+
+impl PruneArgs {
+    /// Arguments that take everything from a recipe file (used by tests and tooling).
+    pub fn for_recipe(config: &std::path::Path) -> Self {
+        Self {
+            model: ModelArgs {
+                model: String::new(),
+                revision: "main".into(),
+                tokenizer: None,
+                dtype: "auto".into(),
+                device: "cpu".into(),
+            },
+            config: Some(config.to_path_buf()),
+            method: None,
+            ratio: None,
+            round_to: None,
+            output: PathBuf::new(),
+            overwrite: false,
+            calib: CalibArgs::default(),
+            activations: None,
+            rrqr_f: None,
+            score_on: None,
+            eval: None,
+            eval_windows: None,
+            eval_seqlen: None,
+            dry_run: false,
+        }
+    }
 }

@@ -97,11 +97,11 @@ fn select_all(
                     select::drrqr(&m, k, plan.rrqr_f).with_context(|| format!("layer {} head {h}", l.layer))?
                 }
             };
-            let (kappa_before, kappa_after) = match &m_qk {
-                Some(m) => (Some(select::kappa(m, None)?), Some(select::kappa(m, Some(&choice.kept))?)),
+            let (before, after) = match &m_qk {
+                Some(m) => (Some(select::column_stats(m, None)?), Some(select::column_stats(m, Some(&choice.kept))?)),
                 None => (None, None),
             };
-            heads.push(HeadReport { head: h, choice, kappa_before, kappa_after });
+            heads.push(HeadReport { head: h, choice, before, after });
             pb.inc(1);
         }
         out.push(LayerReport { layer: l.layer, heads });

@@ -131,3 +131,48 @@ impl Plan {
         Ok(k)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_recipes_parse_and_validate() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let r = Recipe::load(&p).unwrap();
+            let args = PruneArgs::for_recipe(&p);
+            let plan = Plan::resolve(&args).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+            assert_eq!(Some(plan.ratio), r.ratio);
+            assert!(plan.kept_width(128).unwrap() > 0);
+            n += 1;
+        }
+        assert!(n >= 4);
+    }
+
+    #[test]
+    fn unknown_recipe_keys_are_errors() {
+        let tmp = std::env::temp_dir().join(format!("statecut-recipe-{}.toml", std::process::id()));
+        std::fs::write(&tmp, "method = \"drrqr\"\nratoi = 0.5\n").unwrap();
+        assert!(Recipe::load(&tmp).is_err());
+        std::fs::remove_file(tmp).unwrap();
+    }
+
+    #[test]
+    fn kept_width_rounding() {
+        let args = PruneArgs {
+            method: Some("l1".into()),
+            ratio: Some(0.5),
+            round_to: Some(16),
+            ..PruneArgs::for_recipe(Path::new(""))
+        };
+        let mut plan = Plan::resolve(&PruneArgs { config: None, ..args }).unwrap();
+        assert_eq!(plan.kept_width(128).unwrap(), 64);
+        plan.ratio = 0.6;
+        assert_eq!(plan.kept_width(128).unwrap(), 48); // floor(51.2) = 51 -> 48
+        plan.ratio = 0.9;
+        assert!(plan.kept_width(128).is_err()); // 12 -> 0
+    }
+}

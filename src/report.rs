@@ -8,9 +8,10 @@ pub struct HeadReport {
     pub head: usize,
     #[serde(flatten)]
     pub choice: HeadChoice,
-    /// κ of the head's joint key/query calibration activations, all channels / kept channels.
-    pub kappa_before: Option<f64>,
-    pub kappa_after: Option<f64>,
+    /// σ_max, σ_min, κ of the head's joint key/query calibration activations [K; Q]:
+    /// all channels, and the kept channels.
+    pub before: Option<crate::select::ColumnStats>,
+    pub after: Option<crate::select::ColumnStats>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -108,21 +109,14 @@ impl PruneReport {
         }
         s += &format!("| statecut | {} |\n\n", self.version);
         s += "## Per head\n\n| layer | head | kappa before | kappa after | kept channels |\n|---|---|---|---|---|\n";
-        let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
+        let f = |x: Option<crate::select::ColumnStats>| x.map_or("-".to_string(), |v| format!("{:.1}", v.kappa));
         for l in &self.layers {
             for h in &l.heads {
                 let mut kept = h.choice.kept.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
                 if let Some(r) = &h.choice.rrqr {
                     kept += &format!(" (swaps {}, bounds {})", r.swaps, if r.bounds_hold { "hold" } else { "FAIL" });
                 }
-                s += &format!(
-                    "| {} | {} | {} | {} | {} |\n",
-                    l.layer,
-                    h.head,
-                    f(h.kappa_before),
-                    f(h.kappa_after),
-                    kept
-                );
+                s += &format!("| {} | {} | {} | {} | {} |\n", l.layer, h.head, f(h.before), f(h.after), kept);
             }
         }
         s

@@ -98,10 +98,53 @@ pub trait Observer {
 pub struct NoObserver;
 impl Observer for NoObserver {}
 
+/// What one layer carries from one decoding call to the next.
+#[derive(Debug, Clone, Default)]
+pub enum LayerCache {
+    #[default]
+    Empty,
+    /// Short-conv histories (last K-1 inputs) and the recurrent state [B, H, dk, dv].
+    Recurrent { conv: Vec<Tensor>, state: Tensor },
+    /// Keys and values of a softmax-attention layer [B, H, T, d].
+    Attention { k: Tensor, v: Tensor },
+}
+
+/// A decoding session: one cache per layer and the number of tokens seen.
+#[derive(Debug, Clone, Default)]
+pub struct DecodeCache {
+    pub layers: Vec<LayerCache>,
+    pub pos: usize,
+}
+
+impl DecodeCache {
+    pub fn new(layers: usize) -> Self {
+        Self { layers: vec![LayerCache::Empty; layers], pos: 0 }
+    }
+
+    /// Elements held by recurrent states and attention caches (what a smaller state saves).
+    pub fn elems(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerCache::Empty => 0,
+                LayerCache::Recurrent { conv, state } => {
+                    state.elem_count() + conv.iter().map(Tensor::elem_count).sum::<usize>()
+                }
+                LayerCache::Attention { k, v } => k.elem_count() + v.elem_count(),
+            })
+            .sum()
+    }
+}
+
 /// A loaded causal language model.
 pub trait CausalLm {
     /// Logits [B, T, V] for token ids [B, T].
     fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor>;
+    /// Logits [B, T, V] for ids [B, T] continuing from `cache` (a prefill when it is new),
+    /// updating it: the recurrent path used for generation and decode benchmarks.
+    fn forward_cached(&self, _ids: &Tensor, _cache: &mut DecodeCache) -> Result<Tensor> {
+        bail!("step-by-step decoding is not implemented for this model family yet")
+    }
     /// Projection weights loaded as variables (with `LoadOptions::grad`), by checkpoint name.
     fn grad_vars(&self) -> &[(String, Var)];
     fn device(&self) -> &Device;

@@ -24,9 +24,18 @@ impl ShortConv {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_cached(x, None)?.0)
+    }
+
+    /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
+    /// when `None`); returns the output and the new last K-1 inputs, for step-by-step decoding.
+    pub fn forward_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let (_, t, _) = x.dims3()?;
         let k = self.weight.dim(1)?;
-        let padded = x.pad_with_zeros(1, k - 1, 0)?;
+        let padded = match prev {
+            Some(p) => Tensor::cat(&[p, x], 1)?,
+            None => x.pad_with_zeros(1, k - 1, 0)?,
+        };
         let mut y: Option<Tensor> = None;
         for i in 0..k {
             let w = self.weight.narrow(1, i, 1)?.squeeze(1)?;
@@ -37,9 +46,11 @@ impl ShortConv {
             });
         }
         let y = y.expect("kernel size is at least 1");
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let state = padded.narrow(1, padded.dim(1)? - (k - 1), k - 1)?;
+        Ok((y, state))
     }
 }

@@ -97,13 +97,18 @@ fn forward_head(x: &[f32], d: Dims, (b, h): (usize, usize), scale: f32, rule: Ru
     }
 }
 
-/// Runs the forward for all (sequence, head) pairs in parallel; returns (o [B,T,H,dv], S [B,H,dk,dv]).
-fn forward_all(x: &[f32], d: Dims, scale: f32, rule: Rule) -> (Vec<f32>, Vec<f32>) {
+/// Runs the forward for all (sequence, head) pairs in parallel, from `initial` states
+/// [B,H,dk,dv] (zeros when `None`); returns (o [B,T,H,dv], S [B,H,dk,dv]).
+fn forward_all(x: &[f32], d: Dims, scale: f32, rule: Rule, initial: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+    let n = d.dk * d.dv;
     let per: Vec<(Vec<f32>, Vec<f32>)> = (0..d.b * d.h)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / d.h, bh % d.h);
-            let mut s = vec![0f32; d.dk * d.dv];
+            let mut s = match initial {
+                Some(init) => init[bh * n..(bh + 1) * n].to_vec(),
+                None => vec![0f32; n],
+            };
             let mut o = vec![0f32; d.t * d.dv];
             forward_head(x, d, (b, h), scale, rule, &mut s, &mut o);
             (o, s)
@@ -250,7 +255,7 @@ impl CustomOp1 for RecurrenceOp {
             candle_core::bail!("recurrence: input must be contiguous")
         };
         let x = &storage.as_slice::<f32>()?[start..end];
-        let (o, _) = forward_all(x, d, self.scale, self.rule);
+        let (o, _) = forward_all(x, d, self.scale, self.rule, None);
         Ok((CpuStorage::F32(o), Shape::from((d.b, d.t, d.h, d.dv))))
     }
 
@@ -284,6 +289,8 @@ pub struct Recurrence<'a> {
     pub g: Option<&'a Tensor>,
     pub scale: f64,
     pub rule: Rule,
+    /// State to continue from [B, H, dk, dv] (decoding); zeros when `None`.
+    pub initial: Option<&'a Tensor>,
 }
 
 impl Recurrence<'_> {
@@ -304,6 +311,9 @@ impl Recurrence<'_> {
 
     /// Outputs o [B, T, H, dv] (differentiable), on the input's device and dtype.
     pub fn forward(&self) -> Result<Tensor> {
+        if self.initial.is_some() {
+            return Ok(self.forward_with_state()?.0);
+        }
         let o = self.packed()?.apply_op1(self.op()?)?;
         o.to_device(self.q.device())?.to_dtype(self.v.dtype())
     }
@@ -313,7 +323,11 @@ impl Recurrence<'_> {
         let op = self.op()?;
         let x = self.packed()?;
         let d = op.dims(x.shape())?;
-        let (o, s) = forward_all(&x.flatten_all()?.to_vec1::<f32>()?, d, op.scale, op.rule);
+        let init = match self.initial {
+            Some(s) => Some(s.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let (o, s) = forward_all(&x.flatten_all()?.to_vec1::<f32>()?, d, op.scale, op.rule, init.as_deref());
         let dev = self.q.device();
         let o = Tensor::from_vec(o, (d.b, d.t, d.h, d.dv), &Device::Cpu)?.to_device(dev)?;
         let s = Tensor::from_vec(s, (d.b, d.h, d.dk, d.dv), &Device::Cpu)?.to_device(dev)?;
@@ -394,7 +408,7 @@ mod tests {
     fn forward_matches_token_loop() {
         let (q, k, v, beta, g) = inputs(37);
         for rule in [Rule::Delta, Rule::Plain] {
-            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule };
+            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule, initial: None };
             let (o, s) = rec.forward_with_state().unwrap();
             let (o2, s2) = naive(&q, &k, &v, &beta, &g, 0.7, rule);
             assert!(max_abs_diff(&o, &o2) < 1e-4, "{rule:?} outputs differ");
@@ -408,8 +422,9 @@ mod tests {
         // T = 70 crosses a checkpoint boundary of the backward.
         let (q, k, v, beta, g) = inputs(70);
         for rule in [Rule::Delta, Rule::Plain] {
-            let packed =
-                Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule }.packed().unwrap();
+            let packed = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule, initial: None }
+                .packed()
+                .unwrap();
             let op = || RecurrenceOp { h: 3, dk: 5, dv: 4, scale: 0.7, rule };
             let var = candle_core::Var::from_tensor(&packed).unwrap();
             let mut rng = StdRng::seed_from_u64(3);

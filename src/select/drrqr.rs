@@ -58,13 +58,26 @@ pub fn stack(blocks: &[&[f32]], dk: usize) -> Mat<f64> {
     m
 }
 
-/// κ of the columns `cols` of `m` (all columns when `None`).
-pub fn kappa(m: &Mat<f64>, cols: Option<&[usize]>) -> Result<f64> {
+/// σ_max, σ_min and κ of a set of activation columns (the paper's Table 6 quantities).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ColumnStats {
+    pub sigma_max: f64,
+    pub sigma_min: f64,
+    pub kappa: f64,
+}
+
+/// Statistics of the columns `cols` of `m` (all columns when `None`).
+pub fn column_stats(m: &Mat<f64>, cols: Option<&[usize]>) -> Result<ColumnStats> {
     let sub = match cols {
         Some(c) => Mat::from_fn(m.nrows(), c.len(), |i, j| m[(i, c[j])]),
         None => m.clone(),
     };
-    Ok(condition_number(&singular_values(sub.as_ref())?))
+    let sv = singular_values(sub.as_ref())?;
+    Ok(ColumnStats {
+        sigma_max: sv.first().copied().unwrap_or(0.0),
+        sigma_min: sv.last().copied().unwrap_or(0.0),
+        kappa: condition_number(&sv),
+    })
 }
 
 /// Keep `k` of the columns of `m` by strong RRQR with tolerance `f`.

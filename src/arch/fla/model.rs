@@ -1,7 +1,7 @@
 //! Candle forward of fla DeltaNet / Gated DeltaNet causal LMs.
 
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{CausalLm, LoadOptions, Observer};
+use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -87,13 +87,22 @@ impl Mixer {
         })
     }
 
-    fn forward(&self, x: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
         obs.qk_input(self.layer, x)?;
-        let conv = |i: usize, y: Tensor| -> Result<Tensor> {
+        let (prev_conv, prev_state) = match cache.as_deref() {
+            Some(LayerCache::Recurrent { conv, state }) => (Some(conv.clone()), Some(state.clone())),
+            _ => (None, None),
+        };
+        let mut conv_states = Vec::new();
+        let mut conv = |i: usize, y: Tensor| -> Result<Tensor> {
             let y = match &self.convs {
-                Some(c) => c[i].forward(&y)?,
+                Some(c) => {
+                    let (y, st) = c[i].forward_cached(&y, prev_conv.as_ref().map(|p| &p[i]))?;
+                    conv_states.push(st);
+                    y
+                }
                 None => y,
             };
             Ok(candle_nn::ops::silu(&y)?)
@@ -123,10 +132,14 @@ impl Mixer {
             g: g.as_ref(),
             scale: (d.dk as f64).powf(-0.5),
             rule: Rule::Delta,
+            initial: prev_state.as_ref(),
         };
-        let o = if obs.wants_state() {
+        let o = if obs.wants_state() || cache.is_some() {
             let (o, s) = rec.forward_with_state()?;
             obs.state(self.layer, &s)?;
+            if let Some(c) = cache {
+                *c = LayerCache::Recurrent { conv: conv_states, state: s };
+            }
             o
         } else {
             rec.forward()?
@@ -189,13 +202,18 @@ impl FlaModel {
     }
 }
 
-impl CausalLm for FlaModel {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+impl FlaModel {
+    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         let mut h = self.embed.forward(ids)?;
         obs.hidden(0, &h)?;
         let n = self.blocks.len();
+        if let Some(c) = cache.as_deref_mut() {
+            c.layers.resize(n, LayerCache::Empty);
+            c.pos += ids.dim(1)?;
+        }
         for (i, blk) in self.blocks.iter().enumerate() {
-            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs)?)?;
+            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs, lc)?)?;
             h = (&h + blk.mlp.forward(&blk.mlp_norm.forward(&h)?)?)?;
             if i + 1 < n {
                 obs.hidden(i + 1, &h)?;
@@ -204,6 +222,16 @@ impl CausalLm for FlaModel {
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
         Ok(self.lm_head.forward(&h)?)
+    }
+}
+
+impl CausalLm for FlaModel {
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        self.run(ids, obs, None)
+    }
+
+    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        self.run(ids, &mut NoObserver, Some(cache))
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {
