@@ -46,3 +46,13 @@ fn delta_net_matches_fla() {
 fn gated_deltanet_matches_fla() {
     check("gated_deltanet");
 }
+
+#[test]
+fn mamba2_matches_transformers() {
+    check("mamba2");
+}
+
+#[test]
+fn qwen3_5_matches_transformers() {
+    check("qwen3_5");
+}
