@@ -166,7 +166,8 @@ impl TextConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        // transformers default for both Qwen3.5 and Qwen3-Next
+        self.head_dim.unwrap_or(256)
     }
 
     fn rope_field(&self, key: &str) -> Option<f64> {
