@@ -30,11 +30,9 @@ fn write(dir: &Path, config: &Value, tensors: &Tensors) {
     candle_core::safetensors::save(tensors, dir.join("model.safetensors")).unwrap();
 }
 
-/// Logits of the golden input (first 64 tokens) and the layout.
-fn run(dir: &Path) -> (Vec<f32>, StateLayout) {
-    let golden =
-        candle_core::safetensors::load(common::model_dir("qwen3_5").unwrap().join("golden.safetensors"), &Device::Cpu)
-            .unwrap();
+/// Logits of the first 64 golden tokens of `src` through the model in `dir`, and its layout.
+fn run(dir: &Path, src: &Path) -> (Vec<f32>, StateLayout) {
+    let golden = candle_core::safetensors::load(src.join("golden.safetensors"), &Device::Cpu).unwrap();
     let ids = golden["input_ids"].narrow(1, 0, 64).unwrap().to_dtype(DType::U32).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
     let family = family_for(&ckpt).unwrap();
@@ -105,8 +103,8 @@ fn qwen3_5_multimodal_layout() {
     });
     let tmp = tempfile::tempdir().unwrap();
     write(tmp.path(), &config, &out);
-    let (want, wl) = run(&src);
-    let (got, gl) = run(tmp.path());
+    let (want, wl) = run(&src, &src);
+    let (got, gl) = run(tmp.path(), &src);
     assert_same("qwen3_5 multimodal", &got, &want);
     assert_eq!(gl.layers.len(), wl.layers.len());
     assert!(gl.layers[0].slices[0].tensor.starts_with("model.language_model.layers.0.linear_attn."));
@@ -153,8 +151,8 @@ fn qwen3_next_fused_layout() {
     config["num_experts"] = json!(0);
     let tmp = tempfile::tempdir().unwrap();
     write(tmp.path(), &config, &out);
-    let (want, wl) = run(&src);
-    let (got, gl) = run(tmp.path());
+    let (want, wl) = run(&src, &src);
+    let (got, gl) = run(tmp.path(), &src);
     assert_same("qwen3_next (dense)", &got, &want);
 
     // The fused layout's q/k rows are the same weights as the flat layout's.
@@ -217,8 +215,8 @@ fn qwen3_next_moe_layout() {
     }
     let tmp = tempfile::tempdir().unwrap();
     write(tmp.path(), &config, &out);
-    let (want, _) = run(&src);
-    let (got, _) = run(tmp.path());
+    let (want, _) = run(&src, &src);
+    let (got, _) = run(tmp.path(), &src);
     assert_same("qwen3_next (MoE)", &got, &want);
 }
 
@@ -302,8 +300,8 @@ fn mamba2_mamba_ssm_layout() {
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     assert_eq!(ckpt.model_type().unwrap(), "mamba2");
     assert_eq!(ckpt.format, statecut::checkpoint::WeightFormat::PytorchBin);
-    let (want, wl) = run(&src);
-    let (got, gl) = run(tmp.path());
+    let (want, wl) = run(&src, &src);
+    let (got, gl) = run(tmp.path(), &src);
     assert_same("mamba2 (mamba_ssm)", &got, &want);
     let slices = |l: &StateLayout| -> Vec<(String, usize, usize)> {
         l.layers.iter().flat_map(|s| s.slices.iter().map(|r| (r.tensor.clone(), r.offset, r.head_stride))).collect()
