@@ -5,7 +5,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use statecut::arch::{family_for, LoadOptions, Observer};
+use statecut::arch::{family_for, LoadOptions, Observer, SliceRole};
 use statecut::checkpoint::Checkpoint;
 
 struct Hidden(Vec<Tensor>);
@@ -45,4 +45,101 @@ fn delta_net_matches_fla() {
 #[test]
 fn gated_deltanet_matches_fla() {
     check("gated_deltanet");
+}
+
+#[test]
+fn mamba2_matches_transformers() {
+    check("mamba2");
+}
+
+#[test]
+fn qwen3_5_matches_transformers() {
+    check("qwen3_5");
+}
+
+/// With `grad`, each linear layer's key/query projection is a variable named after its
+/// checkpoint tensor, and the LM loss has a gradient with respect to it.
+fn check_grad(name: &str) {
+    let Some(dir) = common::model_dir(name) else { return };
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let family = family_for(&ckpt).unwrap();
+    let layout = family.layout(&ckpt).unwrap();
+    let model = family.load(&ckpt, &LoadOptions { grad: true, ..LoadOptions::cpu_f32() }).unwrap();
+    let ids = golden["input_ids"].narrow(1, 0, 17).unwrap().to_dtype(DType::U32).unwrap();
+    let (inp, tgt) = (ids.narrow(1, 0, 16).unwrap(), ids.narrow(1, 1, 16).unwrap());
+    let logits = model.forward(&inp, &mut statecut::arch::NoObserver).unwrap();
+    let logp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1).unwrap();
+    let loss = logp.gather(&tgt.unsqueeze(2).unwrap(), 2).unwrap().sum_all().unwrap().neg().unwrap();
+    let grads = loss.backward().unwrap();
+    let mut names: Vec<&str> = model.grad_vars().iter().map(|(n, _)| n.as_str()).collect();
+    let mut want: Vec<&str> = layout
+        .layers
+        .iter()
+        .flat_map(|l| l.slices.iter().filter(|s| s.role == SliceRole::KeyProj).map(|s| s.tensor.as_str()))
+        .collect();
+    names.sort();
+    want.sort();
+    assert_eq!(names, want, "{name}: gradient variables");
+    for (n, var) in model.grad_vars() {
+        let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient for {n}"));
+        let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(norm.is_finite() && norm > 0.0, "{name}: gradient of {n} has squared norm {norm}");
+    }
+}
+
+#[test]
+fn mamba2_and_qwen3_5_have_projection_gradients() {
+    check_grad("mamba2");
+    check_grad("qwen3_5");
+}
+
+/// Records which layers report what, with which shapes.
+#[derive(Default)]
+struct Shapes(Vec<(&'static str, usize, Vec<usize>)>);
+impl Observer for Shapes {
+    fn wants_state(&self) -> bool {
+        true
+    }
+    fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
+        self.0.push(("input", layer, x.dims().to_vec()));
+        Ok(())
+    }
+    fn qk(&mut self, layer: usize, q: &Tensor, k: &Tensor) -> Result<()> {
+        assert_eq!(q.dims(), k.dims());
+        self.0.push(("qk", layer, q.dims().to_vec()));
+        Ok(())
+    }
+    fn state(&mut self, layer: usize, s: &Tensor) -> Result<()> {
+        self.0.push(("state", layer, s.dims().to_vec()));
+        Ok(())
+    }
+}
+
+/// Every layer of the layout, and only those, reports its input, q/k and state in the layout's shapes.
+#[test]
+fn observers_see_the_layout() {
+    for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
+        let Some(dir) = common::model_dir(name) else { return };
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let family = family_for(&ckpt).unwrap();
+        let layout = family.layout(&ckpt).unwrap();
+        let model = family.load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
+        let ids = Tensor::new(&[[5u32, 9, 100, 7, 3]], &Device::Cpu).unwrap();
+        let mut seen = Shapes::default();
+        model.forward(&ids, &mut seen).unwrap();
+        let hidden = ckpt.config.get("hidden_size").or(ckpt.config.get("d_model")).unwrap().as_u64().unwrap() as usize;
+        let want: Vec<_> = layout
+            .layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    ("input", l.layer, vec![1, 5, hidden]),
+                    ("qk", l.layer, vec![1, 5, l.key_heads, layout.dk]),
+                    ("state", l.layer, vec![1, l.value_heads, layout.dk, l.dv]),
+                ]
+            })
+            .collect();
+        assert_eq!(seen.0, want, "{name}");
+    }
 }

@@ -6,10 +6,13 @@
 //! selectors, surgery, reports) is written once against these descriptions.
 
 pub mod fla;
+pub mod mamba2;
+pub mod qwen3_5;
 
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Linear, VarBuilder};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -76,7 +79,9 @@ pub trait Observer {
     fn wants_state(&self) -> bool {
         false
     }
-    /// Hidden states as transformers' `output_hidden_states` returns them (index 0 = embeddings).
+    /// Hidden states as transformers' `output_hidden_states` returns them: index 0 = embeddings,
+    /// except for Mamba-2, whose index i is the residual after block i; the last index is the
+    /// final norm's output in both cases.
     fn hidden(&mut self, _index: usize, _h: &Tensor) -> Result<()> {
         Ok(())
     }
@@ -175,11 +180,41 @@ pub trait Family: Sync {
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()>;
 }
 
-static FAMILIES: &[&dyn Family] = &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily];
+static FAMILIES: &[&dyn Family] =
+    &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily, &mamba2::Mamba2Family, &qwen3_5::Qwen35Family];
 
-/// `model_type` from config.json (top level).
+/// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
+/// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).
 pub fn model_type(config: &Value) -> Result<String> {
-    config.get("model_type").and_then(Value::as_str).map(str::to_string).context("config.json has no model_type")
+    if let Some(t) = config.get("model_type").and_then(Value::as_str) {
+        return Ok(t.to_string());
+    }
+    if let (Some(_), Some(ssm)) = (config.get("d_model"), config.get("ssm_cfg")) {
+        let mamba2 = ssm.get("layer").and_then(Value::as_str) == Some("Mamba2");
+        return Ok(if mamba2 { "mamba2" } else { "mamba" }.to_string());
+    }
+    bail!("config.json has no model_type")
+}
+
+/// A linear layer `name` under `vb`. With `grad` its weight is a variable, registered in `vars`
+/// under its checkpoint name, so that the LM loss can be differentiated with respect to it.
+pub(crate) fn projection(
+    vb: &VarBuilder,
+    name: &str,
+    out: usize,
+    inp: usize,
+    bias: bool,
+    grad: bool,
+    vars: &mut Vec<(String, Var)>,
+) -> Result<Linear> {
+    if !grad {
+        return Ok(candle_nn::linear_b(inp, out, bias, vb.pp(name))?);
+    }
+    let vb = vb.pp(name);
+    let var = Var::from_tensor(&vb.get((out, inp), "weight")?)?;
+    let b = if bias { Some(vb.get(out, "bias")?) } else { None };
+    vars.push((format!("{}.weight", vb.prefix()), var.clone()));
+    Ok(Linear::new(var.as_tensor().clone(), b))
 }
 
 /// The family adapter for a checkpoint.

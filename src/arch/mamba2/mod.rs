@@ -1,0 +1,129 @@
+//! Mamba-2 (`mamba2`): transformers `Mamba2ForCausalLM` checkpoints and mamba_ssm
+//! `MambaLMHeadModel` ones (config without `model_type`, weights in `pytorch_model.bin`).
+//!
+//! Follows mamba `mamba_ssm/modules/mamba2.py` and transformers `modeling_mamba2.py`. The SSM is
+//! the plain linear-attention recurrence with k = B, q = C, v = x, β = dt, g = dt·A, so groups
+//! play the part of key heads and N = `d_state` is the key width.
+
+mod config;
+mod model;
+
+use super::{CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use crate::checkpoint::Checkpoint;
+use anyhow::{Context, Result};
+use serde_json::Value;
+
+pub use config::{float_of, Format, Mamba2Config};
+pub use model::Mamba2Model;
+
+fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
+    Mamba2Config::from_value(&ckpt.config)
+        .with_context(|| format!("{}/config.json does not match the Mamba-2 format", ckpt.dir.display()))
+}
+
+/// Layout of a Mamba-2 model (FORMATS.md §2a pruning recipe): B and C rows of `in_proj` and
+/// channels of `conv1d`, each group owning N consecutive rows.
+pub fn layout_of(cfg: &Mamba2Config, has_conv_bias: impl Fn(&str) -> bool) -> StateLayout {
+    let (i, gn, n) = (cfg.d_inner, cfg.groups * cfg.state, cfg.state);
+    let layers = (0..cfg.layers)
+        .map(|l| {
+            let p = format!("backbone.layers.{l}.mixer.");
+            let slice = |t: String, offset, role| RowSlice { tensor: t, offset, head_stride: n, role };
+            let mut slices = vec![
+                slice(format!("{p}in_proj.weight"), 2 * i, SliceRole::KeyProj),
+                slice(format!("{p}in_proj.weight"), 2 * i + gn, SliceRole::QueryProj),
+                slice(format!("{p}conv1d.weight"), i, SliceRole::Conv),
+                slice(format!("{p}conv1d.weight"), i + gn, SliceRole::Conv),
+            ];
+            let bias = format!("{p}conv1d.bias");
+            if has_conv_bias(&bias) {
+                slices.push(slice(bias.clone(), i, SliceRole::Conv));
+                slices.push(slice(bias, i + gn, SliceRole::Conv));
+            }
+            LayerState { layer: l, key_heads: cfg.groups, value_heads: cfg.heads, dv: cfg.head_dim, slices }
+        })
+        .collect();
+    StateLayout { family: "Mamba2".into(), dk: n, layers, num_layers: cfg.layers }
+}
+
+pub struct Mamba2Family;
+
+impl Family for Mamba2Family {
+    fn model_types(&self) -> &'static [&'static str] {
+        &["mamba2"]
+    }
+
+    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+        Ok(layout_of(&config(ckpt)?, |t| ckpt.tensors.contains_key(t)))
+    }
+
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+        Ok(Box::new(Mamba2Model::load(ckpt, &config(ckpt)?, opts)?))
+    }
+
+    fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {
+        match Format::detect(config) {
+            Format::Hf => config["state_size"] = Value::from(dk),
+            Format::MambaSsm => {
+                let ssm = config.as_object_mut().context("config.json is not an object")?;
+                let ssm = ssm.entry("ssm_cfg").or_insert_with(|| Value::Object(Default::default()));
+                ssm.as_object_mut().context("ssm_cfg is not an object")?.insert("d_state".into(), Value::from(dk));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn hf() -> Value {
+        json!({"model_type": "mamba2", "hidden_size": 256, "num_heads": 8, "head_dim": 64, "state_size": 64,
+               "n_groups": 2, "expand": 2, "num_hidden_layers": 3, "vocab_size": 4096,
+               "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    }
+
+    #[test]
+    fn layout_rows() {
+        let cfg = Mamba2Config::from_value(&hf()).unwrap();
+        let l = layout_of(&cfg, |_| true);
+        assert_eq!((l.dk, l.layers.len()), (64, 3));
+        let s = &l.layers[2];
+        assert_eq!((s.key_heads, s.value_heads, s.dv), (2, 8, 64));
+        let rows: Vec<_> = s.slices.iter().map(|r| (r.tensor.as_str(), r.offset, r.head_stride, r.role)).collect();
+        let p = "backbone.layers.2.mixer.";
+        assert_eq!(
+            rows,
+            [
+                (&*format!("{p}in_proj.weight"), 1024, 64, SliceRole::KeyProj),
+                (&*format!("{p}in_proj.weight"), 1024 + 128, 64, SliceRole::QueryProj),
+                (&*format!("{p}conv1d.weight"), 512, 64, SliceRole::Conv),
+                (&*format!("{p}conv1d.weight"), 512 + 128, 64, SliceRole::Conv),
+                (&*format!("{p}conv1d.bias"), 512, 64, SliceRole::Conv),
+                (&*format!("{p}conv1d.bias"), 512 + 128, 64, SliceRole::Conv),
+            ]
+        );
+        // the dt rows follow C: in_proj has 2·d_inner + 2·G·N + H rows
+        assert_eq!(cfg.in_proj_dim(), 1024 + 256 + 8);
+        assert_eq!(layout_of(&cfg, |_| false).layers[0].slices.len(), 4);
+    }
+
+    #[test]
+    fn set_key_width_hf_and_mamba_ssm() {
+        let mut c = hf();
+        let layout = layout_of(&Mamba2Config::from_value(&c).unwrap(), |_| true);
+        Mamba2Family.set_key_width(&mut c, &layout, 48).unwrap();
+        assert_eq!(c["state_size"], 48);
+        assert_eq!(Mamba2Config::from_value(&c).unwrap().state, 48);
+
+        // mamba_ssm: the key is added when ssm_cfg relies on the default
+        let mut c = json!({"d_model": 256, "n_layer": 2, "vocab_size": 4096, "ssm_cfg": {"layer": "Mamba2"}});
+        Mamba2Family.set_key_width(&mut c, &layout, 40).unwrap();
+        assert_eq!(c["ssm_cfg"], json!({"layer": "Mamba2", "d_state": 40}));
+        let mut c = json!({"d_model": 256, "n_layer": 2, "ssm_cfg": {"layer": "Mamba2", "d_state": 64}});
+        Mamba2Family.set_key_width(&mut c, &layout, 32).unwrap();
+        assert_eq!(Mamba2Config::from_value(&c).unwrap().state, 32);
+    }
+}

@@ -1,0 +1,201 @@
+//! Candle forward of Mamba-2 causal LMs (transformers `Mamba2ForCausalLM`, mamba_ssm
+//! `MambaLMHeadModel`): pre-norm residual blocks of one Mamba-2 mixer each.
+
+use super::config::Mamba2Config;
+use crate::arch::{projection, CausalLm, LoadOptions, Observer};
+use crate::checkpoint::Checkpoint;
+use crate::ops::conv::ShortConv;
+use crate::ops::delta_rule::{Recurrence, Rule};
+use crate::ops::norm::{NormWeight, RmsNorm};
+use crate::ops::{repeat_heads, softplus};
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_nn::{linear_b, Embedding, Linear, VarBuilder};
+
+/// mamba_ssm `RMSNormGated` with `group_size = d_inner / ngroups`: the RMS is taken per group.
+/// (transformers before 5.24 normalised over the full width, which differs when n_groups > 1.)
+struct GatedGroupNorm {
+    weight: Tensor,
+    groups: usize,
+    eps: f64,
+    before_gate: bool,
+}
+
+impl GatedGroupNorm {
+    fn norm(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let x = x.reshape((b, t, self.groups, c / self.groups))?;
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        Ok(x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.reshape((b, t, c))?.broadcast_mul(&self.weight)?)
+    }
+
+    fn forward(&self, y: &Tensor, z: &Tensor) -> Result<Tensor> {
+        let dtype = y.dtype();
+        let (y, gate) = (y.to_dtype(DType::F32)?, candle_nn::ops::silu(&z.to_dtype(DType::F32)?)?);
+        let out = if self.before_gate { (self.norm(&y)? * gate)? } else { self.norm(&(y * gate)?)? };
+        Ok(out.to_dtype(dtype)?)
+    }
+}
+
+struct Mixer {
+    cfg: Mamba2Config,
+    layer: usize,
+    in_proj: Linear,
+    conv: ShortConv,
+    dt_bias: Tensor,
+    /// A = -exp(A_log), [H]
+    neg_a: Tensor,
+    /// D skip, [H, 1] or [H, P] (mamba_ssm `D_has_hdim`)
+    d_skip: Tensor,
+    norm: Option<GatedGroupNorm>,
+    out_proj: Linear,
+}
+
+impl Mixer {
+    fn load(
+        vb: VarBuilder,
+        cfg: &Mamba2Config,
+        layer: usize,
+        ckpt: &Checkpoint,
+        grad: bool,
+        vars: &mut Vec<(String, Var)>,
+    ) -> Result<Self> {
+        let (h, p) = (cfg.heads, cfg.head_dim);
+        let d_shape = ckpt.info(&format!("{}.D", vb.prefix()))?.shape.iter().product::<usize>();
+        let d_skip =
+            if d_shape == h * p { vb.get(h * p, "D")?.reshape((h, p))? } else { vb.get(h, "D")?.reshape((h, 1))? };
+        let norm = if cfg.rmsnorm {
+            Some(GatedGroupNorm {
+                weight: vb.get(cfg.d_inner, "norm.weight")?.to_dtype(DType::F32)?,
+                groups: cfg.groups,
+                eps: cfg.eps,
+                before_gate: cfg.norm_before_gate,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            layer,
+            in_proj: projection(&vb, "in_proj", cfg.in_proj_dim(), cfg.hidden, cfg.bias, grad, vars)?,
+            conv: ShortConv::load(vb.pp("conv1d"), cfg.conv_dim(), cfg.conv_kernel, cfg.conv_bias)?,
+            dt_bias: vb.get(h, "dt_bias")?,
+            neg_a: vb.get(h, "A_log")?.exp()?.neg()?,
+            d_skip,
+            norm,
+            out_proj: linear_b(cfg.d_inner, cfg.hidden, cfg.bias, vb.pp("out_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, t, _) = x.dims3()?;
+        let (i, gn, h, p) = (c.d_inner, c.groups * c.state, c.heads, c.head_dim);
+        obs.qk_input(self.layer, x)?;
+        // in_proj rows: [z | x | B | C | dt]
+        let proj = self.in_proj.forward(x)?;
+        let z = proj.narrow(2, 0, i)?;
+        let xbc = candle_nn::ops::silu(&self.conv.forward(&proj.narrow(2, i, c.conv_dim())?)?)?;
+        let dt = proj.narrow(2, i + c.conv_dim(), h)?;
+        let xs = xbc.narrow(2, 0, i)?.reshape((b, t, h, p))?;
+        // B and C are group-major: group g owns channels g·N .. g·N+N-1
+        let bm = xbc.narrow(2, i, gn)?.reshape((b, t, c.groups, c.state))?;
+        let cm = xbc.narrow(2, i + gn, gn)?.reshape((b, t, c.groups, c.state))?;
+        obs.qk(self.layer, &cm, &bm)?;
+        let mut dt = softplus(&dt.broadcast_add(&self.dt_bias)?)?;
+        let (lo, hi) = c.dt_limit;
+        if lo > 0.0 || hi.is_finite() {
+            dt = dt.clamp(lo, hi)?;
+        }
+        let g = dt.broadcast_mul(&self.neg_a)?;
+        // head h reads group h / (H/G)
+        let r = h / c.groups;
+        let (q, k) = (repeat_heads(&cm, r)?, repeat_heads(&bm, r)?);
+        let rec = Recurrence { q: &q, k: &k, v: &xs, beta: &dt, g: Some(&g), scale: 1.0, rule: Rule::Plain };
+        let o = if obs.wants_state() {
+            let (o, s) = rec.forward_with_state()?;
+            obs.state(self.layer, &s)?;
+            o
+        } else {
+            rec.forward()?
+        };
+        let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
+        let y = match &self.norm {
+            Some(n) => n.forward(&y, &z)?,
+            None => (y * candle_nn::ops::silu(&z)?)?,
+        };
+        Ok(self.out_proj.forward(&y)?)
+    }
+}
+
+struct Block {
+    norm: RmsNorm,
+    mixer: Mixer,
+}
+
+/// A Mamba-2 causal LM.
+pub struct Mamba2Model {
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm_f: RmsNorm,
+    lm_head: Linear,
+    vars: Vec<(String, Var)>,
+    device: Device,
+}
+
+impl Mamba2Model {
+    pub fn load(ckpt: &Checkpoint, cfg: &Mamba2Config, opts: &LoadOptions) -> Result<Self> {
+        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
+        let bb = vb.pp("backbone");
+        let emb_name = cfg.format.embedding();
+        // mamba_ssm pads the vocabulary; read the stored size
+        let vocab = *ckpt.info(emb_name)?.shape.first().context("embedding has no shape")?;
+        let embed_w = vb.get((vocab, cfg.hidden), emb_name)?;
+        let mut vars = Vec::new();
+        let mut blocks = Vec::new();
+        for i in 0..cfg.layers {
+            let l = bb.pp(format!("layers.{i}"));
+            blocks.push(Block {
+                norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
+                mixer: Mixer::load(l.pp("mixer"), cfg, i, ckpt, opts.grad, &mut vars)
+                    .with_context(|| format!("loading layer {i}"))?,
+            });
+        }
+        let lm_head = if cfg.tie || !ckpt.tensors.contains_key("lm_head.weight") {
+            Linear::new(embed_w.clone(), None)
+        } else {
+            Linear::new(vb.get((vocab, cfg.hidden), "lm_head.weight")?, None)
+        };
+        Ok(Self {
+            embed: Embedding::new(embed_w, cfg.hidden),
+            blocks,
+            norm_f: RmsNorm::load(bb.pp("norm_f"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
+            lm_head,
+            vars,
+            device: opts.device.clone(),
+        })
+    }
+}
+
+impl CausalLm for Mamba2Model {
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
+        // after block i (the last block's too), then the final norm's output.
+        let mut h = self.embed.forward(ids)?;
+        for (i, blk) in self.blocks.iter().enumerate() {
+            h = (&h + blk.mixer.forward(&blk.norm.forward(&h)?, obs)?)?;
+            obs.hidden(i, &h)?;
+        }
+        let h = self.norm_f.forward(&h)?;
+        obs.hidden(self.blocks.len(), &h)?;
+        Ok(self.lm_head.forward(&h)?)
+    }
+
+    fn grad_vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}

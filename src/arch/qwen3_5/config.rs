@@ -1,0 +1,246 @@
+//! Qwen3.5 / Qwen3-Next text configs (transformers `configuration_qwen3_5.py`,
+//! `configuration_qwen3_next.py`), and where a checkpoint keeps its text model.
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The three on-disk layouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// `qwen3_5_text`: `model.layers.*`, separate `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`.
+    Text,
+    /// `qwen3_5`: the text config under `text_config`, weights under `model.language_model.*`
+    /// next to `model.visual.*` and `mtp.*` (which the text forward ignores).
+    Multimodal,
+    /// `qwen3_next`: fused `in_proj_qkvz` / `in_proj_ba`, interleaved per key-head group; MoE MLPs.
+    Next,
+}
+
+impl Variant {
+    pub fn of(model_type: &str) -> Result<Self> {
+        Ok(match model_type {
+            "qwen3_5_text" => Variant::Text,
+            "qwen3_5" => Variant::Multimodal,
+            "qwen3_next" => Variant::Next,
+            t => bail!("not a Qwen3.5 / Qwen3-Next model_type: {t}"),
+        })
+    }
+
+    /// Prefix of the text decoder's tensors (`embed_tokens`, `layers`, `norm`).
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Variant::Multimodal => "model.language_model",
+            _ => "model",
+        }
+    }
+
+    pub fn fused(self) -> bool {
+        self == Variant::Next
+    }
+
+    /// The JSON object holding the text fields.
+    pub fn text(self, config: &Value) -> Result<&Value> {
+        match self {
+            Variant::Multimodal => config.get("text_config").context("qwen3_5 config.json has no text_config"),
+            _ => Ok(config),
+        }
+    }
+
+    pub fn text_mut(self, config: &mut Value) -> Result<&mut Value> {
+        match self {
+            Variant::Multimodal => config.get_mut("text_config").context("qwen3_5 config.json has no text_config"),
+            _ => Ok(config),
+        }
+    }
+}
+
+fn eps() -> f64 {
+    1e-6
+}
+fn four() -> usize {
+    4
+}
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+/// The text-model fields statecut reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TextConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "yes")]
+    pub attn_output_gate: bool,
+    #[serde(default = "four")]
+    pub linear_conv_kernel_dim: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default = "four")]
+    pub full_attention_interval: usize,
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_parameters: Option<Value>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    // Qwen3-Next MoE (absent from dense Qwen3.5)
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<usize>,
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    #[serde(default = "yes")]
+    pub norm_topk_prob: bool,
+}
+
+/// Sizes of a routed-expert MLP.
+#[derive(Debug, Clone, Copy)]
+pub struct Moe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub intermediate: usize,
+    pub shared_intermediate: usize,
+    pub norm_topk_prob: bool,
+}
+
+impl TextConfig {
+    pub fn from_value(variant: Variant, config: &Value) -> Result<Self> {
+        let cfg: Self = serde_json::from_value(variant.text(config)?.clone())?;
+        let (hk, hv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+        if hk == 0 || !hv.is_multiple_of(hk) {
+            bail!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}");
+        }
+        if !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads.max(1)) {
+            bail!("num_attention_heads must be a multiple of num_key_value_heads");
+        }
+        for t in cfg.layer_types() {
+            if t != "linear_attention" && t != "full_attention" {
+                bail!("layer type \"{t}\" is not supported");
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// `layer_types`, or transformers' default: full attention every `full_attention_interval`-th layer.
+    pub fn layer_types(&self) -> Vec<String> {
+        match &self.layer_types {
+            Some(t) => t.clone(),
+            None => (0..self.num_hidden_layers)
+                .map(|i| {
+                    let full = (i + 1).is_multiple_of(self.full_attention_interval.max(1));
+                    if full { "full_attention" } else { "linear_attention" }.to_string()
+                })
+                .collect(),
+        }
+    }
+
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.layer_types().get(layer).is_some_and(|t| t == "linear_attention")
+    }
+
+    pub fn head_dim(&self) -> usize {
+        // transformers default for both Qwen3.5 and Qwen3-Next
+        self.head_dim.unwrap_or(256)
+    }
+
+    fn rope_field(&self, key: &str) -> Option<f64> {
+        self.rope_parameters.as_ref().and_then(|r| r.get(key)).and_then(Value::as_f64)
+    }
+
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_field("rope_theta").or(self.rope_theta).unwrap_or(10000.0)
+    }
+
+    /// Rotary dims of each attention head: int(head_dim · partial_rotary_factor).
+    pub fn rotary_dim(&self) -> usize {
+        let f = self.rope_field("partial_rotary_factor").or(self.partial_rotary_factor).unwrap_or(0.25);
+        (self.head_dim() as f64 * f) as usize
+    }
+
+    /// The MoE block of `layer` (Qwen3-Next: not in `mlp_only_layers` and every
+    /// `decoder_sparse_step`-th layer), or None for a dense SwiGLU.
+    pub fn moe(&self, variant: Variant, layer: usize) -> Option<Moe> {
+        // transformers defaults for Qwen3-Next; dense Qwen3.5 has no experts
+        let experts = self.num_experts.unwrap_or(if variant == Variant::Next { 512 } else { 0 });
+        let sparse = experts > 0
+            && !self.mlp_only_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1));
+        sparse.then(|| Moe {
+            experts,
+            top_k: self.num_experts_per_tok.unwrap_or(10),
+            intermediate: self.moe_intermediate_size.unwrap_or(512),
+            shared_intermediate: self.shared_expert_intermediate_size.unwrap_or(512),
+            norm_topk_prob: self.norm_topk_prob,
+        })
+    }
+}
+
+/// Whether the LM head shares the embedding (the top level of a multimodal config decides).
+pub fn tied(variant: Variant, config: &Value, text: &TextConfig) -> bool {
+    let top = match variant {
+        Variant::Multimodal => config.get("tie_word_embeddings").and_then(Value::as_bool),
+        _ => None,
+    };
+    top.or(text.tie_word_embeddings).unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn text() -> Value {
+        json!({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}})
+    }
+
+    #[test]
+    fn derives_layer_types_and_rope() {
+        let c = TextConfig::from_value(Variant::Text, &text()).unwrap();
+        let full: Vec<usize> = (0..8).filter(|&i| !c.is_linear(i)).collect();
+        assert_eq!(full, [3, 7]);
+        assert_eq!((c.rotary_dim(), c.rope_theta()), (16, 1e7));
+        assert!(c.moe(Variant::Text, 0).is_none());
+        // Qwen3-Next defaults to 512 experts on every layer
+        assert_eq!(c.moe(Variant::Next, 5).unwrap().experts, 512);
+    }
+
+    #[test]
+    fn multimodal_reads_text_config() {
+        let cfg = json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": text()});
+        let c = TextConfig::from_value(Variant::Multimodal, &cfg).unwrap();
+        assert_eq!(c.linear_key_head_dim, 16);
+        assert!(tied(Variant::Multimodal, &cfg, &c));
+        assert!(TextConfig::from_value(Variant::Multimodal, &text()).is_err());
+    }
+}
