@@ -24,10 +24,14 @@ fn run_ok(args: &[&str]) -> String {
 }
 
 /// One calibration (with gradients) per model, shared by the tests of this file.
-fn fixture(name: &str) -> Option<&'static Fixture> {
-    static DN: OnceLock<Option<Fixture>> = OnceLock::new();
-    static GDN: OnceLock<Option<Fixture>> = OnceLock::new();
-    let cell = if name == "delta_net" { &DN } else { &GDN };
+fn fixture(name: &'static str) -> Option<&'static Fixture> {
+    static CELLS: [(&str, OnceLock<Option<Fixture>>); 4] = [
+        ("delta_net", OnceLock::new()),
+        ("gated_deltanet", OnceLock::new()),
+        ("mamba2", OnceLock::new()),
+        ("qwen3_5", OnceLock::new()),
+    ];
+    let cell = &CELLS.iter().find(|(n, _)| *n == name).expect("known model").1;
     cell.get_or_init(|| {
         let model = common::model_dir(name)?;
         let shared = common::shared()?;
@@ -102,12 +106,27 @@ fn tensors(dir: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8
     st.tensors().into_iter().map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec()))).collect()
 }
 
-fn check_model(name: &str) {
+/// The config keys each family edits to express a new key width.
+fn edited_keys(name: &str) -> &'static [&'static str] {
+    match name {
+        "delta_net" => &["expand_k"],
+        "gated_deltanet" => &["head_dim", "expand_v"],
+        "mamba2" => &["state_size"],
+        _ => &["linear_key_head_dim"],
+    }
+}
+
+fn check_model(name: &'static str) {
+    use statecut::arch::family_for;
+    use statecut::checkpoint::Checkpoint;
     let Some(f) = fixture(name) else { return };
     let input = tensors(&f.model);
     let cfg_in = read_json(&f.model.join("config.json"));
+    let ckpt_in = Checkpoint::open(&f.model).unwrap();
+    let layout_in = family_for(&ckpt_in).unwrap().layout(&ckpt_in).unwrap();
+    let dk_in = layout_in.dk;
     for method in METHODS {
-        for (ratio, dk) in [("0.5", 32usize), ("0.75", 16)] {
+        for (ratio, dk) in [("0.5", dk_in / 2), ("0.75", dk_in / 4)] {
             let out = prune(f, method, ratio);
             let report = read_json(&out.join("statecut_report.json"));
             assert_eq!(report["dk_after"], dk);
@@ -116,53 +135,54 @@ fn check_model(name: &str) {
             assert!(after.is_finite() && after > 1.0, "{method} {ratio}: ppl {after}");
             eprintln!("{name} {method} {ratio}: ppl {before:.2} -> {after:.2}");
 
-            // Config: the fields fla reads to rebuild the model, everything else unchanged.
+            // Config: only the key-width fields change, and statecut reads back the new geometry
+            // with every value width unchanged.
             let cfg = read_json(&out.join("config.json"));
-            let (heads, hidden) =
-                (cfg["num_heads"].as_u64().unwrap() as usize, cfg["hidden_size"].as_u64().unwrap() as usize);
-            match name {
-                "delta_net" => {
-                    let e = cfg["expand_k"].as_f64().unwrap();
-                    assert_eq!(((hidden as f64) * e) as usize, heads * dk);
-                }
-                _ => {
-                    assert_eq!(cfg["head_dim"], dk);
-                    let e = cfg["expand_v"].as_f64().unwrap();
-                    assert_eq!(((dk as f64) * e) as usize, 128, "d_v must stay 128");
-                }
-            }
             for (k, v) in cfg_in.as_object().unwrap() {
-                if !["expand_k", "expand_v", "head_dim"].contains(&k.as_str()) {
+                if !edited_keys(name).contains(&k.as_str()) {
                     assert_eq!(&cfg[k], v, "config key {k} changed");
                 }
             }
+            let ckpt_out = Checkpoint::open(&out).unwrap();
+            let layout_out = family_for(&ckpt_out).unwrap().layout(&ckpt_out).unwrap();
+            assert_eq!(layout_out.dk, dk);
+            for (a, b) in layout_in.layers.iter().zip(&layout_out.layers) {
+                assert_eq!((a.layer, a.key_heads, a.value_heads, a.dv), (b.layer, b.key_heads, b.value_heads, b.dv));
+            }
 
-            // Shapes and bytes: sliced tensors keep exactly the reported rows, the rest is identical.
+            // Bytes: sliced tensors hold exactly the input rows of the reported kept channels
+            // (FORMATS.md row formulas), every other tensor is identical.
             let output = tensors(&out);
             assert_eq!(output.keys().collect::<Vec<_>>(), input.keys().collect::<Vec<_>>());
-            for (t, (shape, bytes)) in &output {
-                let (in_shape, in_bytes) = &input[t];
-                let sliced =
-                    ["q_proj", "k_proj", "q_conv1d", "k_conv1d"].iter().any(|p| t.contains(&format!("attn.{p}.")));
-                if !sliced {
-                    assert!(shape == in_shape && bytes == in_bytes, "{t} must be byte-identical");
-                    continue;
-                }
-                assert_eq!(shape[0], heads * dk, "{t}");
-                assert_eq!(&shape[1..], &in_shape[1..], "{t}");
-                let layer: usize = t.split('.').nth(2).unwrap().parse().unwrap();
-                let row = in_bytes.len() / in_shape[0];
-                let heads_rep = report["layers"][layer]["heads"].as_array().unwrap();
-                let mut expect = Vec::new();
-                for (h, hr) in heads_rep.iter().enumerate() {
-                    let kept = hr["kept"].as_array().unwrap();
-                    assert_eq!(kept.len(), dk);
-                    for j in kept {
-                        let r = h * 64 + j.as_u64().unwrap() as usize;
-                        expect.extend_from_slice(&in_bytes[r * row..(r + 1) * row]);
+            let mut dropped: std::collections::BTreeMap<String, std::collections::BTreeSet<usize>> = Default::default();
+            for (li, l) in layout_in.layers.iter().enumerate() {
+                let heads_rep = report["layers"][li]["heads"].as_array().unwrap();
+                assert_eq!(report["layers"][li]["layer"], l.layer);
+                for s in &l.slices {
+                    let set = dropped.entry(s.tensor.clone()).or_default();
+                    for (h, hr) in heads_rep.iter().enumerate() {
+                        let kept: Vec<usize> =
+                            hr["kept"].as_array().unwrap().iter().map(|j| j.as_u64().unwrap() as usize).collect();
+                        assert_eq!(kept.len(), dk);
+                        set.extend((0..dk_in).filter(|j| !kept.contains(j)).map(|j| s.offset + h * s.head_stride + j));
                     }
                 }
-                assert!(bytes == &expect, "{t}: rows differ from the reported kept channels");
+            }
+            for (t, (shape, bytes)) in &output {
+                let (in_shape, in_bytes) = &input[t];
+                match dropped.get(t) {
+                    None => assert!(shape == in_shape && bytes == in_bytes, "{t} must be byte-identical"),
+                    Some(drop) => {
+                        let row = in_bytes.len() / in_shape[0];
+                        let expect: Vec<u8> = (0..in_shape[0])
+                            .filter(|r| !drop.contains(r))
+                            .flat_map(|r| in_bytes[r * row..(r + 1) * row].iter().copied())
+                            .collect();
+                        assert_eq!(shape[0], in_shape[0] - drop.len(), "{t}");
+                        assert_eq!(&shape[1..], &in_shape[1..], "{t}");
+                        assert!(bytes == &expect, "{t}: rows differ from the reported kept channels");
+                    }
+                }
             }
             if method == "drrqr" {
                 let b = &report["rrqr_bounds_hold"];
@@ -199,4 +219,14 @@ fn delta_net_every_method_two_ratios() {
 #[test]
 fn gated_deltanet_every_method_two_ratios() {
     check_model("gated_deltanet");
+}
+
+#[test]
+fn mamba2_every_method_two_ratios() {
+    check_model("mamba2");
+}
+
+#[test]
+fn qwen3_5_every_method_two_ratios() {
+    check_model("qwen3_5");
 }

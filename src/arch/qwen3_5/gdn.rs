@@ -150,6 +150,7 @@ impl GatedDeltaNet {
             g: Some(&g),
             scale: (d.dk as f64).powf(-0.5),
             rule: Rule::Delta,
+            initial: None,
         };
         let o = if obs.wants_state() {
             let (o, s) = rec.forward_with_state()?;
