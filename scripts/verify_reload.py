@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -80,7 +81,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--shared", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="where reload.jsonl and reload.md go")
+    ap.add_argument("--work", help="where pruned checkpoints go (default: a temporary directory)")
     ap.add_argument("--models", default="delta_net,gated_deltanet")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--ratios", default=",".join(RATIOS))
@@ -99,7 +101,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     os.makedirs(a.out, exist_ok=True)
-    work = os.path.join(a.out, "work")
+    work = a.work or tempfile.mkdtemp(prefix="statecut-reload-")
     os.makedirs(work, exist_ok=True)
     evalf = os.path.join(a.shared, "data", "eval", "wiki.jsonl")
     calibf = os.path.join(a.shared, "data", "calib", "wiki.jsonl")
