@@ -90,6 +90,9 @@ def main():
     ap.add_argument("--seqlen", default="1024")
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--tol", type=float, default=0.02)
+    ap.add_argument("--fla-mode", default="fused_recurrent",
+                    help="attn_mode for fla models (fla's chunk kernel refuses float32 for DeltaNet)")
+    ap.add_argument("--autocast", action="store_true", help="also measure perplexity under bf16 autocast")
     a = ap.parse_args()
 
     import transformers
@@ -128,10 +131,14 @@ def main():
             t0 = time.time()
             try:
                 cfg = json.load(open(os.path.join(path, "config.json")))
-                model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+                kw = {}
+                if cfg.get("model_type") in ("delta_net", "gated_deltanet") and a.fla_mode:
+                    kw["attn_mode"] = a.fla_mode
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).cuda().eval()
                 rec["dk"], rec["dv"] = key_widths(model, cfg)
                 rec["ppl_fp32"] = perplexity(model, wins, autocast=False)
-                rec["ppl_bf16_autocast"] = perplexity(model, wins, autocast=True)
+                if a.autocast:
+                    rec["ppl_bf16_autocast"] = perplexity(model, wins, autocast=True)
                 if method == "none":
                     r = json.loads(subprocess.run([a.bin, "eval", "-m", path, "--data", evalf, "--windows", str(a.windows),
                                                    "--json", "-q"],
@@ -156,7 +163,8 @@ def main():
             jl.flush()
             log(json.dumps(rec))
 
-    env = f"torch {torch.__version__}, transformers {transformers.__version__}, fla {fla_version}, {torch.cuda.get_device_name()}"
+    env = (f"torch {torch.__version__}, transformers {transformers.__version__}, fla {fla_version} "
+           f"(fla attn_mode {a.fla_mode}), {torch.cuda.get_device_name()}, {a.windows} windows x 512 tokens of eval/wiki")
     md = ["| model | method | ratio | d_k / d_v rebuilt | statecut ppl | library ppl fp32 | library ppl bf16 autocast | rel. diff | ok |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
@@ -164,7 +172,7 @@ def main():
             md.append(f"| {r['model']} | {r['method']} | {r['ratio']} | - | - | - | - | - | load failed: {r['error'][:80]} |")
         else:
             md.append(f"| {r['model']} | {r['method']} | {r['ratio']} | {r['dk']} / {r['dv']} | {r['statecut_ppl']:.3f} | "
-                      f"{r['ppl_fp32']:.3f} | {r['ppl_bf16_autocast']:.3f} | {100 * r['rel_diff']:.3f}% | {'yes' if r['ok'] else 'NO'} |")
+                      f"{r['ppl_fp32']:.3f} | {r.get('ppl_bf16_autocast', float('nan')):.3f} | {100 * r['rel_diff']:.3f}% | {'yes' if r['ok'] else 'NO'} |")
     with open(os.path.join(a.out, "reload.md"), "w") as f:
         f.write(f"Environment: {env}.\n\n" + "\n".join(md) + "\n")
     log(f"{len(records) - failures}/{len(records)} checkpoints reloaded within {100 * a.tol:.0f}%")
