@@ -5,6 +5,7 @@
 //! `calib`/`select`/`surgery` implement pruning, and `eval`/`inspect` measure models.
 
 pub mod arch;
+pub mod bench;
 pub mod calib;
 pub mod checkpoint;
 pub mod cli;

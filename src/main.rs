@@ -9,7 +9,7 @@ fn main() {
         Command::Inspect(a) => statecut::commands::inspect(a, q),
         Command::Calibrate(a) => statecut::commands::calibrate(a, q),
         Command::Prune(a) => statecut::prune::run(a, q),
-        Command::Bench(_) => Err(anyhow::anyhow!("bench is not available yet")),
+        Command::Bench(a) => statecut::bench::run(a, q),
     };
     if let Err(e) = result {
         // One line: the context chain joined with ": " (candle appends backtraces on later lines).

@@ -2,7 +2,7 @@
 //! `MambaLMHeadModel`): pre-norm residual blocks of one Mamba-2 mixer each.
 
 use super::config::Mamba2Config;
-use crate::arch::{projection, CausalLm, LoadOptions, Observer};
+use crate::arch::{projection, CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -87,15 +87,20 @@ impl Mixer {
         })
     }
 
-    fn forward(&self, x: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let c = &self.cfg;
+        let (prev_conv, prev_state) = match cache.as_deref() {
+            Some(LayerCache::Recurrent { conv, state }) => (conv.first().cloned(), Some(state.clone())),
+            _ => (None, None),
+        };
         let (b, t, _) = x.dims3()?;
         let (i, gn, h, p) = (c.d_inner, c.groups * c.state, c.heads, c.head_dim);
         obs.qk_input(self.layer, x)?;
         // in_proj rows: [z | x | B | C | dt]
         let proj = self.in_proj.forward(x)?;
         let z = proj.narrow(2, 0, i)?;
-        let xbc = candle_nn::ops::silu(&self.conv.forward(&proj.narrow(2, i, c.conv_dim())?)?)?;
+        let (xbc, conv_state) = self.conv.forward_cached(&proj.narrow(2, i, c.conv_dim())?, prev_conv.as_ref())?;
+        let xbc = candle_nn::ops::silu(&xbc)?;
         let dt = proj.narrow(2, i + c.conv_dim(), h)?;
         let xs = xbc.narrow(2, 0, i)?.reshape((b, t, h, p))?;
         // B and C are group-major: group g owns channels g·N .. g·N+N-1
@@ -111,11 +116,22 @@ impl Mixer {
         // head h reads group h / (H/G)
         let r = h / c.groups;
         let (q, k) = (repeat_heads(&cm, r)?, repeat_heads(&bm, r)?);
-        let rec =
-            Recurrence { q: &q, k: &k, v: &xs, beta: &dt, g: Some(&g), scale: 1.0, rule: Rule::Plain, initial: None };
-        let o = if obs.wants_state() {
+        let rec = Recurrence {
+            q: &q,
+            k: &k,
+            v: &xs,
+            beta: &dt,
+            g: Some(&g),
+            scale: 1.0,
+            rule: Rule::Plain,
+            initial: prev_state.as_ref(),
+        };
+        let o = if obs.wants_state() || cache.is_some() {
             let (o, s) = rec.forward_with_state()?;
             obs.state(self.layer, &s)?;
+            if let Some(cache) = cache {
+                *cache = LayerCache::Recurrent { conv: vec![conv_state], state: s };
+            }
             o
         } else {
             rec.forward()?
@@ -178,18 +194,33 @@ impl Mamba2Model {
     }
 }
 
-impl CausalLm for Mamba2Model {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+impl Mamba2Model {
+    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
         // after block i (the last block's too), then the final norm's output.
         let mut h = self.embed.forward(ids)?;
+        if let Some(c) = cache.as_deref_mut() {
+            c.layers.resize(self.blocks.len(), LayerCache::Empty);
+            c.pos += ids.dim(1)?;
+        }
         for (i, blk) in self.blocks.iter().enumerate() {
-            h = (&h + blk.mixer.forward(&blk.norm.forward(&h)?, obs)?)?;
+            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            h = (&h + blk.mixer.forward(&blk.norm.forward(&h)?, obs, lc)?)?;
             obs.hidden(i, &h)?;
         }
         let h = self.norm_f.forward(&h)?;
         obs.hidden(self.blocks.len(), &h)?;
         Ok(self.lm_head.forward(&h)?)
+    }
+}
+
+impl CausalLm for Mamba2Model {
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        self.run(ids, obs, None)
+    }
+
+    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        self.run(ids, &mut NoObserver, Some(cache))
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

@@ -2,6 +2,7 @@
 //! partial rotary embedding, GQA, causal softmax, output × sigmoid(gate).
 
 use super::config::TextConfig;
+use crate::arch::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::ops::repeat_heads;
 use anyhow::Result;
@@ -19,13 +20,13 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// cos and sin [T, dim] for positions 0..T.
-    fn tables(&self, t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    /// cos and sin [T, dim] for positions start..start+T.
+    fn tables(&self, start: usize, t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
         let half = self.dim / 2;
         let inv: Vec<f32> =
             (0..half).map(|i| (1.0 / self.theta.powf((2 * i) as f64 / self.dim as f64)) as f32).collect();
         let inv = Tensor::from_vec(inv, (1, half), dev)?.to_dtype(self.inv_freq_dtype)?.to_dtype(DType::F32)?;
-        let pos = Tensor::arange(0u32, t as u32, dev)?.to_dtype(DType::F32)?.reshape((t, 1))?;
+        let pos = Tensor::arange(start as u32, (start + t) as u32, dev)?.to_dtype(DType::F32)?.reshape((t, 1))?;
         let freqs = pos.matmul(&inv)?;
         let emb = Tensor::cat(&[&freqs, &freqs], 1)?;
         Ok((emb.cos()?.to_dtype(dtype)?, emb.sin()?.to_dtype(dtype)?))
@@ -77,7 +78,8 @@ impl Attention {
         })
     }
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `cache`: keys and values of earlier positions (decoding); `None` for a plain forward.
+    pub fn forward(&self, x: &Tensor, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (hq, hd) = (self.heads, self.head_dim);
         let (q, gate) = if self.gated {
@@ -93,11 +95,23 @@ impl Attention {
         let k = repeat_heads(&k, r)?.transpose(1, 2)?;
         let v = repeat_heads(&self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, hd))?, r)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        let (cos, sin) = self.rope.tables(t, q.dtype(), q.device())?;
+        let past = match cache.as_deref() {
+            Some(LayerCache::Attention { k, .. }) => k.dim(2)?,
+            _ => 0,
+        };
+        let (cos, sin) = self.rope.tables(past, t, q.dtype(), q.device())?;
         let q = self.rope.apply(&q, &cos, &sin)?.contiguous()?;
-        let k = self.rope.apply(&k, &cos, &sin)?.contiguous()?;
+        let mut k = self.rope.apply(&k, &cos, &sin)?.contiguous()?;
+        let mut v = v;
+        if let Some(c) = cache {
+            if let LayerCache::Attention { k: pk, v: pv } = &*c {
+                k = Tensor::cat(&[pk, &k], 2)?;
+                v = Tensor::cat(&[pv, &v], 2)?;
+            }
+            *c = LayerCache::Attention { k: k.clone(), v: v.clone() };
+        }
         let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?;
-        let scores = scores.to_dtype(DType::F32)?.broadcast_add(&causal_mask(t, q.device())?)?;
+        let scores = scores.to_dtype(DType::F32)?.broadcast_add(&causal_mask(past, t, q.device())?)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
         let o = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, hq * hd))?;
         let o = match gate {
@@ -108,10 +122,12 @@ impl Attention {
     }
 }
 
-/// [T, T] additive mask: 0 on and below the diagonal, -inf above.
-fn causal_mask(t: usize, dev: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-    Ok(Tensor::from_vec(m, (t, t), dev)?)
+/// [T, past+T] additive mask: query i (at position past+i) sees keys up to past+i.
+fn causal_mask(past: usize, t: usize, dev: &Device) -> Result<Tensor> {
+    let n = past + t;
+    let m: Vec<f32> =
+        (0..t).flat_map(|i| (0..n).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+    Ok(Tensor::from_vec(m, (t, n), dev)?)
 }
 
 #[cfg(test)]
@@ -122,7 +138,7 @@ mod tests {
     fn rope_rotates_pairs_and_keeps_the_rest() {
         let rope = Rope { dim: 4, theta: 10000.0, inv_freq_dtype: DType::F32 };
         let x = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((1, 1, 2, 6)).unwrap();
-        let (cos, sin) = rope.tables(2, DType::F32, &Device::Cpu).unwrap();
+        let (cos, sin) = rope.tables(0, 2, DType::F32, &Device::Cpu).unwrap();
         let y = rope.apply(&x, &cos, &sin).unwrap().squeeze(0).unwrap().to_vec3::<f32>().unwrap()[0].clone();
         // position 0 is the identity
         assert_eq!(y[0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);

@@ -2,7 +2,7 @@
 //! `Qwen3NextGatedDeltaNet`).
 
 use super::config::TextConfig;
-use crate::arch::{projection, Observer};
+use crate::arch::{projection, LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
@@ -126,12 +126,18 @@ impl GatedDeltaNet {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+    /// `cache`: conv history and recurrent state carried between decoding calls.
+    pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
         obs.qk_input(self.layer, x)?;
+        let (prev_conv, prev_state) = match cache.as_deref() {
+            Some(LayerCache::Recurrent { conv, state }) => (conv.first().cloned(), Some(state.clone())),
+            _ => (None, None),
+        };
         let (qkv, z, beta, a) = self.project(x)?;
-        let mixed = candle_nn::ops::silu(&self.conv.forward(&qkv)?)?;
+        let (mixed, conv_state) = self.conv.forward_cached(&qkv, prev_conv.as_ref())?;
+        let mixed = candle_nn::ops::silu(&mixed)?;
         let kd = d.hk * d.dk;
         let q = mixed.narrow(2, 0, kd)?.reshape((b, t, d.hk, d.dk))?;
         let k = mixed.narrow(2, kd, kd)?.reshape((b, t, d.hk, d.dk))?;
@@ -150,11 +156,14 @@ impl GatedDeltaNet {
             g: Some(&g),
             scale: (d.dk as f64).powf(-0.5),
             rule: Rule::Delta,
-            initial: None,
+            initial: prev_state.as_ref(),
         };
-        let o = if obs.wants_state() {
+        let o = if obs.wants_state() || cache.is_some() {
             let (o, s) = rec.forward_with_state()?;
             obs.state(self.layer, &s)?;
+            if let Some(cache) = cache {
+                *cache = LayerCache::Recurrent { conv: vec![conv_state], state: s };
+            }
             o
         } else {
             rec.forward()?

@@ -1,0 +1,48 @@
+//! Step-by-step decoding (prefill, then one token at a time through the conv and state caches)
+//! reproduces the logits of the full forward.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use statecut::arch::{family_for, DecodeCache, LoadOptions, NoObserver};
+use statecut::checkpoint::Checkpoint;
+
+fn check(name: &str) {
+    let Some(dir) = common::model_dir(name) else { return };
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
+    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
+    let full = model.forward(&ids, &mut NoObserver).unwrap();
+    let mut cache = DecodeCache::default();
+    let mut parts = vec![model.forward_cached(&ids.narrow(1, 0, 40).unwrap(), &mut cache).unwrap()];
+    for t in 40..48 {
+        parts.push(model.forward_cached(&ids.narrow(1, t, 1).unwrap(), &mut cache).unwrap());
+    }
+    assert_eq!(cache.pos, 48);
+    let stepped = Tensor::cat(&parts, 1).unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let err = common::rel_err(&flat(&stepped), &flat(&full));
+    eprintln!("{name}: decode vs full forward relative error {err:.2e}");
+    assert!(err < 1e-5, "{name}: {err}");
+}
+
+#[test]
+fn delta_net_decode_matches_forward() {
+    check("delta_net");
+}
+
+#[test]
+fn gated_deltanet_decode_matches_forward() {
+    check("gated_deltanet");
+}
+
+#[test]
+fn mamba2_decode_matches_forward() {
+    check("mamba2");
+}
+
+#[test]
+fn qwen3_5_decode_matches_forward() {
+    check("qwen3_5");
+}
