@@ -24,3 +24,4 @@ pub mod recipe;
 pub mod report;
 pub mod select;
 pub mod surgery;
+pub mod torch_save;

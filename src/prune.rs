@@ -3,7 +3,7 @@
 
 use crate::arch::{Family, LoadOptions, SliceRole, StateLayout};
 use crate::calib::{CalibSettings, Calibration};
-use crate::checkpoint::{Checkpoint, WeightFormat};
+use crate::checkpoint::Checkpoint;
 use crate::cli::PruneArgs;
 use crate::data::{windows, TextSource};
 use crate::recipe::Plan;
@@ -126,9 +126,6 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     let family: &dyn Family = crate::arch::family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
     let k = plan.kept_width(layout.dk)?;
-    if ckpt.format != WeightFormat::Safetensors {
-        bail!("{}: writing pytorch_model.bin checkpoints is not supported yet", dir.display());
-    }
     let staged = Staged::new(&args.output, args.overwrite, &dir)?;
     let calib_src = TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?;
     let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;

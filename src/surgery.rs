@@ -32,13 +32,20 @@ impl safetensors::View for RawTensor<'_> {
     }
 }
 
-/// A CPU candle tensor (f32/f64) as raw bytes.
-fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {
+/// A CPU candle tensor as raw little-endian bytes in its own dtype.
+pub fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {
     let shape = t.dims().to_vec();
     let flat = t.flatten_all()?;
     let (dtype, data) = match t.dtype() {
         DType::F32 => (safetensors::Dtype::F32, flat.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
         DType::F64 => (safetensors::Dtype::F64, flat.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        DType::BF16 => {
+            (safetensors::Dtype::BF16, flat.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+        DType::F16 => {
+            (safetensors::Dtype::F16, flat.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+        DType::I64 => (safetensors::Dtype::I64, flat.to_vec1::<i64>()?.iter().flat_map(|x| x.to_le_bytes()).collect()),
         d => bail!("cannot serialise a {d:?} tensor"),
     };
     Ok(RawTensor { dtype, shape, data: Cow::Owned(data) })
@@ -98,6 +105,43 @@ pub struct WriteStats {
     pub params: usize,
 }
 
+/// Keep rows `keep` (dim 0) of a raw tensor.
+fn slice_rows<'a>(t: RawTensor<'a>, keep: &[usize]) -> RawTensor<'a> {
+    let row_bytes = t.data.len() / t.shape[0];
+    let mut buf = Vec::with_capacity(keep.len() * row_bytes);
+    for r in keep {
+        buf.extend_from_slice(&t.data[r * row_bytes..(r + 1) * row_bytes]);
+    }
+    let mut shape = t.shape;
+    shape[0] = keep.len();
+    RawTensor { dtype: t.dtype, shape, data: Cow::Owned(buf) }
+}
+
+/// A PyTorch checkpoint (mamba_ssm reads only `pytorch_model.bin`) is written back in the same
+/// format, tensor order and dtypes.
+fn write_pytorch_bin(
+    ckpt: &Checkpoint,
+    rows: &BTreeMap<String, Vec<usize>>,
+    dir: &Path,
+    stats: &mut WriteStats,
+) -> Result<()> {
+    let src = &ckpt.files[0];
+    let tensors = candle_core::pickle::read_all(src).with_context(|| format!("reading {}", src.display()))?;
+    let mut out = Vec::new();
+    for (name, t) in tensors {
+        let mut raw = raw_of(&t)?;
+        if let Some(keep) = rows.get(&name) {
+            raw = slice_rows(raw, keep);
+            stats.sliced += 1;
+        }
+        stats.tensors += 1;
+        stats.bytes += raw.data.len() as u64;
+        stats.params += raw.shape.iter().product::<usize>();
+        out.push((name, raw));
+    }
+    crate::torch_save::write_pth(&dir.join(src.file_name().unwrap()), &out)
+}
+
 /// Write the pruned checkpoint into `dir` (which must not exist yet).
 pub fn write_checkpoint(
     ckpt: &Checkpoint,
@@ -105,39 +149,31 @@ pub fn write_checkpoint(
     config: &serde_json::Value,
     dir: &Path,
 ) -> Result<WriteStats> {
-    if ckpt.format != WeightFormat::Safetensors {
-        bail!("writing pytorch_model.bin checkpoints is not supported yet; convert the input to safetensors first");
-    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut stats = WriteStats { tensors: 0, sliced: 0, bytes: 0, params: 0 };
     let mut weight_map = serde_json::Map::new();
-    for file in &ckpt.files {
+    if ckpt.format == WeightFormat::PytorchBin {
+        write_pytorch_bin(ckpt, rows, dir, &mut stats)?;
+    }
+    for file in ckpt.files.iter().filter(|_| ckpt.format == WeightFormat::Safetensors) {
         let f = std::fs::File::open(file)?;
         // SAFETY: read-only map of an input file that statecut never modifies.
         let mmap = unsafe { memmap2::Mmap::map(&f)? };
         let st = safetensors::SafeTensors::deserialize(&mmap).with_context(|| format!("reading {}", file.display()))?;
         let mut out = Vec::new();
         for (name, view) in st.tensors() {
-            let mut shape = view.shape().to_vec();
-            let data = match rows.get(&name) {
-                None => Cow::Borrowed(view.data()),
-                Some(keep) => {
-                    let row_bytes = view.data().len() / shape[0];
-                    let mut buf = Vec::with_capacity(keep.len() * row_bytes);
-                    for r in keep {
-                        buf.extend_from_slice(&view.data()[r * row_bytes..(r + 1) * row_bytes]);
-                    }
-                    shape[0] = keep.len();
-                    stats.sliced += 1;
-                    Cow::Owned(buf)
-                }
-            };
+            let mut raw =
+                RawTensor { dtype: view.dtype(), shape: view.shape().to_vec(), data: Cow::Borrowed(view.data()) };
+            if let Some(keep) = rows.get(&name) {
+                raw = slice_rows(raw, keep);
+                stats.sliced += 1;
+            }
             stats.tensors += 1;
-            stats.bytes += data.len() as u64;
-            stats.params += shape.iter().product::<usize>();
+            stats.bytes += raw.data.len() as u64;
+            stats.params += raw.shape.iter().product::<usize>();
             let fname = file.file_name().unwrap().to_string_lossy().into_owned();
             weight_map.insert(name.clone(), serde_json::Value::String(fname));
-            out.push((name, RawTensor { dtype: view.dtype(), shape, data }));
+            out.push((name, raw));
         }
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let target = dir.join(file.file_name().unwrap());

@@ -11,7 +11,6 @@ use serde_json::{json, Value};
 use statecut::arch::{family_for, LoadOptions, NoObserver, StateLayout};
 use statecut::checkpoint::Checkpoint;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 type Tensors = HashMap<String, Tensor>;
@@ -220,54 +219,15 @@ fn qwen3_next_moe_layout() {
     assert_same("qwen3_next (MoE)", &got, &want);
 }
 
-/// A minimal `torch.save` zip archive of a state dict (pickle protocol 2, one storage per tensor).
+/// A `torch.save` archive of a state dict, written by statecut's own writer.
 fn save_pth(path: &Path, tensors: &Tensors) -> Result<()> {
-    use zip::write::SimpleFileOptions;
-    let opts = SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
-    let mut zip = zip::ZipWriter::new(std::fs::File::create(path)?);
-    let mut pkl: Vec<u8> = vec![0x80, 2, b'}', b'('];
-    let unicode = |p: &mut Vec<u8>, s: &str| {
-        p.push(b'X');
-        p.extend((s.len() as u32).to_le_bytes());
-        p.extend(s.as_bytes());
-    };
-    let int = |p: &mut Vec<u8>, v: usize| {
-        p.push(b'J');
-        p.extend((v as i32).to_le_bytes());
-    };
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort();
-    for (i, name) in names.iter().enumerate() {
-        let t = tensors[*name].to_dtype(DType::BF16)?;
-        let dims = t.dims().to_vec();
-        let strides: Vec<usize> = (0..dims.len()).map(|d| dims[d + 1..].iter().product()).collect();
-        unicode(&mut pkl, name);
-        pkl.extend(b"ctorch._utils\n_rebuild_tensor_v2\n(");
-        pkl.push(b'(');
-        unicode(&mut pkl, "storage");
-        pkl.extend(b"ctorch\nBFloat16Storage\n");
-        unicode(&mut pkl, &i.to_string());
-        unicode(&mut pkl, "cpu");
-        int(&mut pkl, t.elem_count());
-        pkl.extend(b"tQ");
-        int(&mut pkl, 0);
-        for v in [&dims, &strides] {
-            pkl.push(b'(');
-            v.iter().for_each(|&d| int(&mut pkl, d));
-            pkl.push(b't');
-        }
-        pkl.extend(b"\x89ccollections\nOrderedDict\n)RtR");
-        let data: Vec<u8> = t.flatten_all()?.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_le_bytes()).collect();
-        zip.start_file(format!("archive/data/{i}"), opts)?;
-        zip.write_all(&data)?;
-    }
-    pkl.extend(b"u.");
-    zip.start_file("archive/data.pkl", opts)?;
-    zip.write_all(&pkl)?;
-    zip.start_file("archive/version", opts)?;
-    zip.write_all(b"3\n")?;
-    zip.finish()?;
-    Ok(())
+    let raws = names
+        .into_iter()
+        .map(|n| Ok((n.clone(), statecut::surgery::raw_of(&tensors[n].to_dtype(DType::BF16)?)?)))
+        .collect::<Result<Vec<_>>>()?;
+    statecut::torch_save::write_pth(path, &raws)
 }
 
 #[test]
@@ -308,4 +268,40 @@ fn mamba2_mamba_ssm_layout() {
     };
     assert_eq!(slices(&gl), slices(&wl));
     assert_eq!(gl.dk, wl.dk);
+
+    // Pruning keeps the mamba_ssm format: pytorch_model.bin, `ssm_cfg.d_state` edited.
+    let out = tmp.path().join("pruned");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"))
+        .args(["prune", "-m", tmp.path().to_str().unwrap(), "--method", "l1", "--ratio", "0.5", "-o"])
+        .arg(&out)
+        .arg("-q")
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    assert!(out.join("pytorch_model.bin").exists() && !out.join("model.safetensors").exists());
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["ssm_cfg"]["d_state"], json!(wl.dk / 2));
+    let pruned = Checkpoint::open(&out).unwrap();
+    let layout = statecut::arch::family_for(&pruned).unwrap().layout(&pruned).unwrap();
+    assert_eq!(layout.dk, wl.dk / 2);
+    let orig = candle_core::pickle::read_all(tmp.path().join("pytorch_model.bin")).unwrap();
+    let new: std::collections::HashMap<String, Tensor> =
+        candle_core::pickle::read_all(out.join("pytorch_model.bin")).unwrap().into_iter().collect();
+    let sliced: std::collections::HashSet<String> =
+        gl.layers.iter().flat_map(|l| l.slices.iter().map(|s| s.tensor.clone())).collect();
+    for (name, t) in orig {
+        let n = &new[&name];
+        if sliced.contains(&name) {
+            assert!(n.dim(0).unwrap() < t.dim(0).unwrap(), "{name} was not sliced");
+        } else {
+            let d = (t.to_dtype(DType::F32).unwrap() - n.to_dtype(DType::F32).unwrap()).unwrap();
+            assert_eq!(d.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0, "{name} changed");
+            assert_eq!(t.dtype(), n.dtype(), "{name} dtype changed");
+        }
+    }
+    // And it still runs.
+    let model =
+        statecut::arch::family_for(&pruned).unwrap().load(&pruned, &statecut::arch::LoadOptions::cpu_f32()).unwrap();
+    let ids = Tensor::new(&[[1u32, 5, 9, 2]], &Device::Cpu).unwrap();
+    model.forward(&ids, &mut statecut::arch::NoObserver).unwrap();
 }
