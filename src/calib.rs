@@ -344,3 +344,22 @@ impl Calibration {
         Ok((cal, complete))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservoir_is_uniform_and_bounded() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let mut r = Reservoir::new(100, 1);
+        let data: Vec<f32> = (0..10_000).map(|i| i as f32).collect();
+        r.offer(&data, &mut rng);
+        assert_eq!(r.len(), 100);
+        assert_eq!(r.seen, 10_000);
+        // A uniform sample of 0..10000 has mean near 5000 (std of the mean ~290).
+        let mean: f32 = r.rows.iter().sum::<f32>() / 100.0;
+        assert!((mean - 5000.0).abs() < 1500.0, "{mean}");
+        assert_eq!(r.head(0, 1).len(), 100);
+    }
+}

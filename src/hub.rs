@@ -82,7 +82,7 @@ pub fn resolve_repo(id: &str, revision: &str, kind: RepoType, required: &[&str])
     };
     if let Some(first) = cached(required[0]) {
         if required.iter().all(|f| cached(f).is_some()) {
-            return Ok(first.parent().unwrap().to_path_buf());
+            return Ok(snapshot_root(&first, required[0]));
         }
     }
     if offline() {
@@ -95,6 +95,11 @@ pub fn resolve_repo(id: &str, revision: &str, kind: RepoType, required: &[&str])
     download(id, revision, kind, required, &dir)
 }
 
+/// The snapshot directory holding `file` (a repo-relative path, possibly in sub-folders).
+fn snapshot_root(path: &Path, file: &str) -> PathBuf {
+    path.ancestors().nth(file.split('/').count()).unwrap_or(path).to_path_buf()
+}
+
 fn download(id: &str, revision: &str, kind: RepoType, required: &[&str], dir: &Path) -> Result<PathBuf> {
     let api = hf_hub::api::sync::ApiBuilder::from_env()
         .with_cache_dir(dir.to_path_buf())
@@ -102,14 +107,13 @@ fn download(id: &str, revision: &str, kind: RepoType, required: &[&str], dir: &P
         .build()
         .context("building the hub client")?;
     let repo = api.repo(Repo::with_revision(id.to_string(), kind, revision.to_string()));
-    let mut snapshot = None;
+    let mut snapshot = PathBuf::new();
     for f in required {
         let p = repo
             .get(f)
             .with_context(|| format!("downloading {f} from {id}@{revision} (check the id, network and HF_TOKEN)"))?;
-        snapshot = p.parent().map(Path::to_path_buf);
+        snapshot = snapshot_root(&p, f);
     }
-    let snapshot = snapshot.unwrap();
     if matches!(kind, RepoType::Model) {
         // Weights: the sharded index if there is one, else a single file.
         match repo.get(WEIGHT_INDEX) {
