@@ -21,6 +21,9 @@ pub struct HeadReport {
     pub stable_rank: f64,
     pub utilization: f64,
     pub entropy: f64,
+    /// Mean |cosine| between distinct rows (key channels) of the state: near 1 means the rows
+    /// are redundant copies of one direction.
+    pub row_similarity: f64,
     pub sigma_max: f64,
     pub sigma_min: f64,
     pub kappa: f64,
@@ -56,6 +59,29 @@ pub struct InspectReport {
     pub activation_spectra: BTreeMap<usize, Vec<Vec<f64>>>,
 }
 
+/// Mean |cos| over pairs of distinct non-zero rows of a row-major [rows, cols] matrix.
+pub fn mean_row_cosine(m: &[f32], rows: usize, cols: usize) -> f64 {
+    let unit: Vec<Vec<f64>> = m
+        .chunks_exact(cols)
+        .map(|r| {
+            let n = r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+            r.iter().map(|x| if n > 0.0 { *x as f64 / n } else { 0.0 }).collect()
+        })
+        .collect();
+    let (mut sum, mut pairs) = (0.0, 0usize);
+    for i in 0..rows {
+        for j in i + 1..rows {
+            sum += unit[i].iter().zip(&unit[j]).map(|(a, b)| a * b).sum::<f64>().abs();
+            pairs += 1;
+        }
+    }
+    if pairs == 0 {
+        0.0
+    } else {
+        sum / pairs as f64
+    }
+}
+
 /// Row-major f32 data as a faer matrix.
 pub fn to_mat(rows: usize, cols: usize, data: &[f32]) -> Mat<f64> {
     Mat::from_fn(rows, cols, |i, j| data[i * cols + j] as f64)
@@ -65,6 +91,7 @@ pub fn to_mat(rows: usize, cols: usize, data: &[f32]) -> Mat<f64> {
 struct StateAcc {
     er: f64,
     entropy: f64,
+    row_sim: f64,
     spectrum: Vec<f64>,
     n: usize,
 }
@@ -102,6 +129,7 @@ impl Observer for InspectObserver {
                 let st = SpectrumStats::from_singular_values(&sv, dk.min(dv));
                 a.er += st.stable_rank;
                 a.entropy += st.entropy;
+                a.row_sim += mean_row_cosine(&data[off..off + dk * dv], dk, dv);
                 let top = sv.first().copied().unwrap_or(0.0).max(f64::MIN_POSITIVE);
                 if a.spectrum.is_empty() {
                     a.spectrum = vec![0.0; sv.len()];
@@ -161,6 +189,7 @@ pub fn inspect(
                     stable_rank: er,
                     utilization: er / dk.min(l.dv) as f64,
                     entropy: a.entropy / n,
+                    row_similarity: a.row_sim / n,
                     sigma_max: s.sigma_max,
                     sigma_min: s.sigma_min,
                     kappa: s.kappa,
@@ -197,7 +226,7 @@ pub fn inspect(
 /// The human-readable table.
 pub fn render_table(r: &InspectReport) -> String {
     let mut s = format!(
-        "{} ({}), d_k {}, {} sequences x {} tokens\n{:>5} {:>4} {:>8} {:>6} {:>6} {:>9} {:>9} {:>9}\n",
+        "{} ({}), d_k {}, {} sequences x {} tokens\n{:>5} {:>4} {:>8} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9}\n",
         r.model,
         r.family,
         r.dk,
@@ -208,6 +237,7 @@ pub fn render_table(r: &InspectReport) -> String {
         "er(S)",
         "u",
         "H",
+        "cos",
         "sigma_max",
         "sigma_min",
         "kappa"
@@ -215,8 +245,16 @@ pub fn render_table(r: &InspectReport) -> String {
     for l in &r.layers {
         for h in &l.heads {
             s += &format!(
-                "{:>5} {:>4} {:>8.2} {:>6.3} {:>6.3} {:>9.3} {:>9.4} {:>9.1}\n",
-                l.layer, h.head, h.stable_rank, h.utilization, h.entropy, h.sigma_max, h.sigma_min, h.kappa
+                "{:>5} {:>4} {:>8.2} {:>6.3} {:>6.3} {:>6.3} {:>9.3} {:>9.4} {:>9.1}\n",
+                l.layer,
+                h.head,
+                h.stable_rank,
+                h.utilization,
+                h.entropy,
+                h.row_similarity,
+                h.sigma_max,
+                h.sigma_min,
+                h.kappa
             );
         }
     }
@@ -225,4 +263,15 @@ pub fn render_table(r: &InspectReport) -> String {
         r.summary.mean_stable_rank, r.summary.mean_utilization, r.summary.median_kappa
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mean_row_cosine;
+
+    #[test]
+    fn row_cosine() {
+        assert_eq!(mean_row_cosine(&[1.0, 0.0, 0.0, 1.0], 2, 2), 0.0);
+        assert!((mean_row_cosine(&[1.0, 1.0, -2.0, -2.0], 2, 2) - 1.0).abs() < 1e-12);
+    }
 }
