@@ -129,17 +129,27 @@ fn write_pytorch_bin(
     let tensors = candle_core::pickle::read_all(src).with_context(|| format!("reading {}", src.display()))?;
     let mut out = Vec::new();
     for (name, t) in tensors {
-        let mut raw = raw_of(&t)?;
-        if let Some(keep) = rows.get(&name) {
-            raw = slice_rows(raw, keep);
-            stats.sliced += 1;
-        }
-        stats.tensors += 1;
-        stats.bytes += raw.data.len() as u64;
-        stats.params += raw.shape.iter().product::<usize>();
+        let raw = stats.pass(raw_of(&t)?, rows.get(&name));
         out.push((name, raw));
     }
     crate::torch_save::write_pth(&dir.join(src.file_name().unwrap()), &out)
+}
+
+impl WriteStats {
+    /// Slice a tensor when it has kept rows, and count it.
+    fn pass<'a>(&mut self, raw: RawTensor<'a>, keep: Option<&Vec<usize>>) -> RawTensor<'a> {
+        let raw = match keep {
+            Some(keep) => {
+                self.sliced += 1;
+                slice_rows(raw, keep)
+            }
+            None => raw,
+        };
+        self.tensors += 1;
+        self.bytes += raw.data.len() as u64;
+        self.params += raw.shape.iter().product::<usize>();
+        raw
+    }
 }
 
 /// Write the pruned checkpoint into `dir` (which must not exist yet).
@@ -162,15 +172,8 @@ pub fn write_checkpoint(
         let st = safetensors::SafeTensors::deserialize(&mmap).with_context(|| format!("reading {}", file.display()))?;
         let mut out = Vec::new();
         for (name, view) in st.tensors() {
-            let mut raw =
-                RawTensor { dtype: view.dtype(), shape: view.shape().to_vec(), data: Cow::Borrowed(view.data()) };
-            if let Some(keep) = rows.get(&name) {
-                raw = slice_rows(raw, keep);
-                stats.sliced += 1;
-            }
-            stats.tensors += 1;
-            stats.bytes += raw.data.len() as u64;
-            stats.params += raw.shape.iter().product::<usize>();
+            let raw = RawTensor { dtype: view.dtype(), shape: view.shape().to_vec(), data: Cow::Borrowed(view.data()) };
+            let raw = stats.pass(raw, rows.get(&name));
             let fname = file.file_name().unwrap().to_string_lossy().into_owned();
             weight_map.insert(name.clone(), serde_json::Value::String(fname));
             out.push((name, raw));
