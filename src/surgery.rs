@@ -232,7 +232,7 @@ impl Staged {
         }
         let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         if !parent.is_dir() {
-            bail!("the parent of the output directory, {}, does not exist", parent.display());
+            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
         let tmp = sibling_tmp(target);
         if tmp.exists() {
