@@ -111,8 +111,17 @@ impl Mixer {
         // head h reads group h / (H/G)
         let r = h / c.groups;
         let (q, k) = (repeat_heads(&cm, r)?, repeat_heads(&bm, r)?);
-        let rec =
-            Recurrence { q: &q, k: &k, v: &xs, beta: &dt, g: Some(&g), scale: 1.0, rule: Rule::Plain, initial: None };
+        let rec = Recurrence {
+            q: &q,
+            k: &k,
+            v: &xs,
+            beta: &dt,
+            g: Some(&g),
+            gk: None,
+            scale: 1.0,
+            rule: Rule::Plain,
+            initial: None,
+        };
         let o = if obs.wants_state() {
             let (o, s) = rec.forward_with_state()?;
             obs.state(self.layer, &s)?;
