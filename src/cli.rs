@@ -26,7 +26,7 @@ pub enum Command {
     /// Run calibration text through a model and save key/query activations and statistics.
     Calibrate(CalibrateArgs),
     /// Remove key/query channels per head and write a smaller checkpoint.
-    Prune(PruneArgs),
+    Prune(Box<PruneArgs>),
     /// Prefill and decode speed.
     Bench(BenchArgs),
 }
@@ -191,6 +191,11 @@ pub struct PruneArgs {
     /// Check everything and print the plan without calibrating or writing anything.
     #[arg(long)]
     pub dry_run: bool,
+    /// Models with routed state partitions (SSE): keep this many routed partitions per layer,
+    /// the ones most often routed to on the calibration text (the router's rows of the others
+    /// are dropped).
+    #[arg(long)]
+    pub prune_partitions: Option<usize>,
 }
 
 #[derive(Debug, Args)]
@@ -242,6 +247,7 @@ impl PruneArgs {
             eval_windows: None,
             eval_seqlen: None,
             dry_run: false,
+            prune_partitions: None,
         }
     }
 }

@@ -33,6 +33,10 @@ pub struct HeadReport {
 pub struct LayerReport {
     pub layer: usize,
     pub heads: Vec<HeadReport>,
+    /// Models with routed state partitions (SSE): the fraction of tokens routed to each
+    /// partition (they sum to the number of partitions a token selects).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partition_usage: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -100,11 +104,13 @@ struct StateAcc {
 pub struct InspectObserver {
     pub collector: Collector,
     states: BTreeMap<usize, Vec<StateAcc>>,
+    /// Per layer: tokens routed to each partition, and tokens seen.
+    routing: BTreeMap<usize, (Vec<f64>, f64)>,
 }
 
 impl InspectObserver {
     pub fn new(layout: &StateLayout, rows: usize, seed: u64) -> Self {
-        Self { collector: Collector::new(layout, rows, seed), states: BTreeMap::new() }
+        Self { collector: Collector::new(layout, rows, seed), states: BTreeMap::new(), routing: BTreeMap::new() }
     }
 }
 
@@ -117,6 +123,14 @@ impl Observer for InspectObserver {
     }
     fn qk(&mut self, layer: usize, q: &Tensor, k: &Tensor) -> Result<()> {
         self.collector.qk(layer, q, k)
+    }
+    fn routing(&mut self, layer: usize, selected: &Tensor) -> Result<()> {
+        let (b, t, n) = selected.dims3()?;
+        let counts = selected.to_dtype(DType::F32)?.reshape((b * t, n))?.sum(0)?.to_vec1::<f32>()?;
+        let acc = self.routing.entry(layer).or_insert_with(|| (vec![0.0; n], 0.0));
+        acc.0.iter_mut().zip(counts).for_each(|(a, c)| *a += c as f64);
+        acc.1 += (b * t) as f64;
+        Ok(())
     }
     fn state(&mut self, layer: usize, s: &Tensor) -> Result<()> {
         let (b, h, dk, dv) = s.dims4()?;
@@ -199,7 +213,9 @@ pub fn inspect(
         state_spectra
             .insert(l.layer, accs.iter().map(|a| a.spectrum.iter().map(|x| x / a.n.max(1) as f64).collect()).collect());
         activation_spectra.insert(l.layer, act_sv);
-        layers.push(LayerReport { layer: l.layer, heads });
+        let partition_usage =
+            obs.routing.get(&l.layer).map(|(c, n)| c.iter().map(|x| x / n.max(1.0)).collect::<Vec<f64>>());
+        layers.push(LayerReport { layer: l.layer, heads, partition_usage });
     }
     let all: Vec<&HeadReport> = layers.iter().flat_map(|l| &l.heads).collect();
     let n = all.len().max(1) as f64;
@@ -256,6 +272,12 @@ pub fn render_table(r: &InspectReport) -> String {
                 h.sigma_min,
                 h.kappa
             );
+        }
+    }
+    for l in &r.layers {
+        if let Some(u) = &l.partition_usage {
+            let parts: Vec<String> = u.iter().map(|x| format!("{x:.3}")).collect();
+            s += &format!("layer {} partition usage (fraction of tokens): {}\n", l.layer, parts.join(" "));
         }
     }
     s += &format!(

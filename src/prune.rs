@@ -168,7 +168,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         );
         return Ok(());
     }
-    let need_model = calibrate_now || eval_src.is_some();
+    let need_model = calibrate_now || eval_src.is_some() || args.prune_partitions.is_some();
     let loaded = if need_model {
         Some(crate::commands::load(&args.model, calibrate_now && plan.method == Method::Grad, quiet)?)
     } else {
@@ -207,10 +207,21 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         (Some(w), Some(m)) => Some(ppl(m.model.as_ref(), w, quiet)?),
         _ => None,
     };
+    let partitions = match (args.prune_partitions, &loaded) {
+        (Some(count), Some(m)) => {
+            let seqs =
+                crate::commands::sequences(&m.tokenizer, &calib_src, plan.calib.nsamples, plan.calib.seqlen, quiet)?;
+            Some(most_used_partitions(m.model.as_ref(), &seqs, count)?)
+        }
+        _ => None,
+    };
     drop(loaded);
     let mut config = ckpt.config.clone();
     family.set_key_width(&mut config, &layout, k)?;
-    let rows = kept_rows(&ckpt, &layout, &keep)?;
+    let mut rows = kept_rows(&ckpt, &layout, &keep)?;
+    if let Some(keep_parts) = &partitions {
+        rows.extend(family.keep_partitions(&mut config, keep_parts)?);
+    }
     let stats = write_checkpoint(&ckpt, &rows, &config, &staged.tmp)?;
     let out_ckpt = Checkpoint::open(&staged.tmp)?;
     let out_layout = family.layout(&out_ckpt).context("the pruned config does not parse")?;
@@ -243,7 +254,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         layers_pruned: layout.layers.len(),
         key_heads_per_layer: layout.layers.first().map_or(0, |l| l.key_heads),
         state_elems_before: layout.state_elems(layout.dk),
-        state_elems_after: layout.state_elems(k),
+        state_elems_after: out_layout.state_elems(k),
         params_before: ckpt.num_params(),
         params_after: stats.params,
         calibration: calibration.as_ref().map(|c| CalibrationInfo {
@@ -274,6 +285,46 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         eprintln!("wrote {}", args.output.display());
     }
     Ok(())
+}
+
+/// Tokens routed to each partition, per layer.
+struct RoutingCounts(BTreeMap<usize, Vec<f64>>);
+
+impl crate::arch::Observer for RoutingCounts {
+    fn routing(&mut self, layer: usize, selected: &candle_core::Tensor) -> Result<()> {
+        let n = selected.dim(2)?;
+        let c = selected.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let acc = self.0.entry(layer).or_insert_with(|| vec![0.0; n]);
+        for row in c.chunks(n) {
+            acc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
+        }
+        Ok(())
+    }
+}
+
+/// Per layer, the `count` routed partitions used most often on `seqs` (ascending indices).
+fn most_used_partitions(
+    model: &dyn crate::arch::CausalLm,
+    seqs: &[Vec<u32>],
+    count: usize,
+) -> Result<BTreeMap<usize, Vec<usize>>> {
+    let mut obs = RoutingCounts(BTreeMap::new());
+    for s in seqs {
+        let ids = candle_core::Tensor::from_vec(s.clone(), (1, s.len()), model.device())?;
+        model.forward(&ids, &mut obs)?;
+    }
+    if obs.0.is_empty() {
+        bail!("--prune-partitions: this model has no routed state partitions");
+    }
+    Ok(obs
+        .0
+        .into_iter()
+        .map(|(l, c)| {
+            let mut kept = select::top_k(&c, count.min(c.len()));
+            kept.sort_unstable();
+            (l, kept)
+        })
+        .collect())
 }
 
 /// The recipe that reproduces a plan.

@@ -8,6 +8,7 @@
 pub mod fla;
 pub mod mamba2;
 pub mod qwen3_5;
+pub mod sse;
 
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
@@ -37,6 +38,9 @@ pub enum SliceRole {
     KeyProj,
     /// conv weight or bias channels
     Conv,
+    /// other tensors with one row per key channel (SSE: the low-rank corrections' second
+    /// factors, the per-channel decay projections and their biases)
+    Channel,
 }
 
 /// The recurrent state of one layer.
@@ -95,6 +99,11 @@ pub trait Observer {
     }
     /// Final recurrent states [B, value_heads, dk, dv].
     fn state(&mut self, _layer: usize, _s: &Tensor) -> Result<()> {
+        Ok(())
+    }
+    /// Routing of models with routed state partitions (SSE): [B, T, N], 1 where a token writes
+    /// to and reads from partition p, 0 elsewhere.
+    fn routing(&mut self, _layer: usize, _selected: &Tensor) -> Result<()> {
         Ok(())
     }
 }
@@ -178,10 +187,20 @@ pub trait Family: Sync {
     fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>>;
     /// Edit config.json so that the family's library rebuilds the model with key width `dk`.
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()>;
+    /// Models with routed state partitions: keep partitions `keep[layer]` (ascending, the same
+    /// count in every layer) and edit config.json to match; returns the rows to keep of the
+    /// tensors that change (sliced along dim 0).
+    fn keep_partitions(
+        &self,
+        _config: &mut Value,
+        _keep: &std::collections::BTreeMap<usize, Vec<usize>>,
+    ) -> Result<Vec<(String, Vec<usize>)>> {
+        bail!("this model family has no routed state partitions (--prune-partitions is for SSE models)")
+    }
 }
 
 static FAMILIES: &[&dyn Family] =
-    &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily, &mamba2::Mamba2Family, &qwen3_5::Qwen35Family];
+    &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily, &mamba2::Mamba2Family, &qwen3_5::Qwen35Family, &sse::SseFamily];
 
 /// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
 /// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).

@@ -1,10 +1,12 @@
 //! The (gated) delta-rule recurrence, and its linear-attention special case, on float32.
 //!
-//! Per head, with state S ∈ R^{dk×dv}, decay a_t = exp(g_t) and write strength β_t:
-//!   S' = a_t S_{t-1};  u_t = β_t (v_t − S'ᵀk_t)  (delta rule)  or  u_t = β_t v_t  (plain);
+//! Per head, with state S ∈ R^{dk×dv}, decay a_t = exp(g_t), an optional per-key-channel decay
+//! exp(gk_t) ∈ R^{dk} (GLA) and write strength β_t:
+//!   S' = a_t diag(exp gk_t) S_{t-1}   (row i of S scaled by a_t exp(gk_t[i]));  u_t = β_t (v_t − S'ᵀk_t)  (delta rule)  or  u_t = β_t v_t  (plain);
 //!   S_t = S' + k_t u_tᵀ;  o_t = S_tᵀ (scale · q_t).
 //! DeltaNet is g = 0, Gated DeltaNet the full form (fla `naive_recurrent_gated_delta_rule`),
-//! and the Mamba-2 SSM the plain form with k = B, q = C, v = x, β = dt, g = dt·A.
+//! the Mamba-2 SSM the plain form with k = B, q = C, v = x, β = dt, g = dt·A, and GLA (SSE's
+//! partitions) the plain form with β = 1, g = 0 and the per-channel decay gk.
 //!
 //! The forward is a CPU custom op with an exact backward (reverse-mode through the recurrence,
 //! re-computing states from checkpoints every `CHUNK` steps), so candle autograd can take
@@ -31,11 +33,23 @@ struct Dims {
     h: usize,
     dk: usize,
     dv: usize,
+    /// The packed input carries a per-key-channel log decay (dk fields after g).
+    gk: bool,
 }
 
 impl Dims {
     fn p(&self) -> usize {
-        2 * self.dk + self.dv + 2
+        2 * self.dk + self.dv + 2 + if self.gk { self.dk } else { 0 }
+    }
+
+    /// Decay of row i of the state at a step whose packed input is `x`: a · exp(gk[i]).
+    #[inline]
+    fn row_decay(&self, x: &[f32], a: f32, i: usize) -> f32 {
+        if self.gk {
+            a * x[2 * self.dk + self.dv + 2 + i].exp()
+        } else {
+            a
+        }
     }
     /// Offset of token t of head h in sequence b in the packed [B,T,H,P] buffer.
     fn at(&self, b: usize, t: usize, h: usize) -> usize {
@@ -51,7 +65,14 @@ fn step(s: &mut [f32], x: &[f32], d: Dims, rule: Rule, u: &mut [f32]) {
     let v = &x[2 * dk..2 * dk + dv];
     let beta = x[2 * dk + dv];
     let a = x[2 * dk + dv + 1].exp();
-    if a != 1.0 {
+    if d.gk {
+        for i in 0..dk {
+            let f = d.row_decay(x, a, i);
+            if f != 1.0 {
+                s[i * dv..(i + 1) * dv].iter_mut().for_each(|e| *e *= f);
+            }
+        }
+    } else if a != 1.0 {
         s.iter_mut().for_each(|e| *e *= a);
     }
     match rule {
@@ -162,7 +183,10 @@ fn backward_head(x: &[f32], go: &[f32], d: Dims, b: usize, h: usize, scale: f32,
             let a = xt[2 * dk + dv + 1].exp();
             let do_t = &go[((b * d.t + t) * d.h + h) * dv..][..dv];
             let s_prev = &prev[t - t0];
-            sp.iter_mut().zip(s_prev).for_each(|(o, s)| *o = a * s);
+            for i in 0..dk {
+                let f = d.row_decay(xt, a, i);
+                sp[i * dv..(i + 1) * dv].iter_mut().zip(&s_prev[i * dv..(i + 1) * dv]).for_each(|(o, s)| *o = f * s);
+            }
             // e = v − S'ᵀk (delta) or v (plain); u = β e.
             e.copy_from_slice(v);
             if rule == Rule::Delta {
@@ -216,9 +240,16 @@ fn backward_head(x: &[f32], go: &[f32], d: Dims, b: usize, h: usize, scale: f32,
                     g[dk + i] += acc;
                 }
             }
-            // S' = a S_{t-1}: dg = Σ dS' ∘ S'
+            // S' = a diag(exp gk) S_{t-1}: dg = Σ dS' ∘ S', dgk_i = Σ_j dS'_ij S'_ij
             g[2 * dk + dv + 1] = dsp.iter().zip(sp.iter()).map(|(a, b)| a * b).sum();
-            ds.iter_mut().zip(dsp.iter()).for_each(|(o, d)| *o = a * d);
+            for i in 0..dk {
+                let row = i * dv..(i + 1) * dv;
+                if d.gk {
+                    g[2 * dk + dv + 2 + i] = dsp[row.clone()].iter().zip(&sp[row.clone()]).map(|(a, b)| a * b).sum();
+                }
+                let f = d.row_decay(xt, a, i);
+                ds[row.clone()].iter_mut().zip(&dsp[row]).for_each(|(o, d)| *o = f * d);
+            }
             grads.push((d.at(b, t, h), g));
         }
     }
@@ -231,12 +262,13 @@ struct RecurrenceOp {
     dv: usize,
     scale: f32,
     rule: Rule,
+    gk: bool,
 }
 
 impl RecurrenceOp {
     fn dims(&self, shape: &Shape) -> Result<Dims> {
         let (b, t, h, p) = shape.dims4()?;
-        let d = Dims { b, t, h, dk: self.dk, dv: self.dv };
+        let d = Dims { b, t, h, dk: self.dk, dv: self.dv, gk: self.gk };
         if h != self.h || p != d.p() {
             candle_core::bail!("recurrence: packed input has shape {shape:?}, expected [B,T,{},{}]", self.h, d.p());
         }
@@ -287,6 +319,9 @@ pub struct Recurrence<'a> {
     pub beta: &'a Tensor,
     /// [B, T, H] log decay; `None` means no decay
     pub g: Option<&'a Tensor>,
+    /// [B, T, H, dk] per-key-channel log decay (GLA): row i of S is scaled by exp(gk[i]);
+    /// `None` means none
+    pub gk: Option<&'a Tensor>,
     pub scale: f64,
     pub rule: Rule,
     /// State to continue from [B, H, dk, dv] (decoding); zeros when `None`.
@@ -300,13 +335,16 @@ impl Recurrence<'_> {
             Some(g) => f(g)?,
             None => Tensor::zeros(self.beta.shape(), DType::F32, &Device::Cpu)?,
         };
-        Tensor::cat(&[f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?], 3)?
-            .contiguous()
+        let mut parts = vec![f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?];
+        if let Some(gk) = self.gk {
+            parts.push(f(gk)?);
+        }
+        Tensor::cat(&parts, 3)?.contiguous()
     }
 
     fn op(&self) -> Result<RecurrenceOp> {
         let (_, _, h, dk) = self.q.dims4()?;
-        Ok(RecurrenceOp { h, dk, dv: self.v.dim(3)?, scale: self.scale as f32, rule: self.rule })
+        Ok(RecurrenceOp { h, dk, dv: self.v.dim(3)?, scale: self.scale as f32, rule: self.rule, gk: self.gk.is_some() })
     }
 
     /// Outputs o [B, T, H, dv] (differentiable), on the input's device and dtype.
@@ -347,12 +385,14 @@ mod tests {
     }
 
     /// The recurrence written with candle tensor ops, one token at a time (independent check).
+    #[allow(clippy::too_many_arguments)]
     fn naive(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         beta: &Tensor,
         g: &Tensor,
+        gk: Option<&Tensor>,
         scale: f64,
         rule: Rule,
     ) -> (Tensor, Tensor) {
@@ -377,6 +417,11 @@ mod tests {
                 .unsqueeze(3)
                 .unwrap();
             s = s.broadcast_mul(&at).unwrap();
+            if let Some(gk) = gk {
+                // [b,h,dk,1]: row i of S scaled by exp(gk[i])
+                let f = gk.narrow(1, i, 1).unwrap().squeeze(1).unwrap().exp().unwrap().unsqueeze(3).unwrap();
+                s = s.broadcast_mul(&f).unwrap();
+            }
             let pred = kt.unsqueeze(2).unwrap().matmul(&s).unwrap().squeeze(2).unwrap(); // [b,h,dv]
             let u = match rule {
                 Rule::Delta => (vt - pred).unwrap().broadcast_mul(&bt).unwrap(),
@@ -388,7 +433,7 @@ mod tests {
         (Tensor::stack(&outs, 1).unwrap(), s)
     }
 
-    fn inputs(t: usize) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+    fn inputs(t: usize) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor) {
         let mut rng = StdRng::seed_from_u64(7);
         let (b, h, dk, dv) = (2, 3, 5, 4);
         (
@@ -397,6 +442,7 @@ mod tests {
             rand_tensor(&[b, t, h, dv], &mut rng, 2.0, 0.0),
             rand_tensor(&[b, t, h], &mut rng, 0.5, 0.5),
             rand_tensor(&[b, t, h], &mut rng, 0.2, -0.1),
+            rand_tensor(&[b, t, h, dk], &mut rng, 0.3, -0.15),
         )
     }
 
@@ -406,13 +452,15 @@ mod tests {
 
     #[test]
     fn forward_matches_token_loop() {
-        let (q, k, v, beta, g) = inputs(37);
-        for rule in [Rule::Delta, Rule::Plain] {
-            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule, initial: None };
+        let (q, k, v, beta, g, gk) = inputs(37);
+        for (rule, gk) in [(Rule::Delta, None), (Rule::Plain, None), (Rule::Delta, Some(&gk)), (Rule::Plain, Some(&gk))]
+        {
+            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), gk, scale: 0.7, rule, initial: None };
             let (o, s) = rec.forward_with_state().unwrap();
-            let (o2, s2) = naive(&q, &k, &v, &beta, &g, 0.7, rule);
-            assert!(max_abs_diff(&o, &o2) < 1e-4, "{rule:?} outputs differ");
-            assert!(max_abs_diff(&s, &s2) < 1e-4, "{rule:?} states differ");
+            let (o2, s2) = naive(&q, &k, &v, &beta, &g, gk, 0.7, rule);
+            let with = gk.is_some();
+            assert!(max_abs_diff(&o, &o2) < 1e-4, "{rule:?} gk {with}: outputs differ");
+            assert!(max_abs_diff(&s, &s2) < 1e-4, "{rule:?} gk {with}: states differ");
             assert!(max_abs_diff(&rec.forward().unwrap(), &o2) < 1e-4);
         }
     }
@@ -420,12 +468,12 @@ mod tests {
     #[test]
     fn backward_matches_finite_differences() {
         // T = 70 crosses a checkpoint boundary of the backward.
-        let (q, k, v, beta, g) = inputs(70);
-        for rule in [Rule::Delta, Rule::Plain] {
-            let packed = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), scale: 0.7, rule, initial: None }
-                .packed()
-                .unwrap();
-            let op = || RecurrenceOp { h: 3, dk: 5, dv: 4, scale: 0.7, rule };
+        let (q, k, v, beta, g, gk) = inputs(70);
+        for (rule, gk) in [(Rule::Delta, None), (Rule::Plain, None), (Rule::Delta, Some(&gk)), (Rule::Plain, Some(&gk))]
+        {
+            let rec = Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), gk, scale: 0.7, rule, initial: None };
+            let packed = rec.packed().unwrap();
+            let op = || RecurrenceOp { h: 3, dk: 5, dv: 4, scale: 0.7, rule, gk: gk.is_some() };
             let var = candle_core::Var::from_tensor(&packed).unwrap();
             let mut rng = StdRng::seed_from_u64(3);
             let w = rand_tensor(&[2, 70, 3, 4], &mut rng, 2.0, 0.0);
@@ -435,7 +483,10 @@ mod tests {
             let x0 = packed.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let gmax = gx.iter().fold(0f32, |a, b| a.max(b.abs()));
             // Probe a spread of coordinates (every field of the packed layout gets hit).
-            for idx in (0..x0.len()).step_by(97) {
+            let p = x0.len() / (2 * 70 * 3);
+            let probes: Vec<usize> =
+                (0..x0.len()).step_by(97).chain((p - 5..p).flat_map(|f| [f, 40 * 3 * p + p + f])).collect();
+            for idx in probes {
                 let eps = 1e-2f32;
                 let at = |d: f32| {
                     let mut x = x0.clone();

@@ -130,6 +130,7 @@ impl Mixer {
             v: &v,
             beta: &beta,
             g: g.as_ref(),
+            gk: None,
             scale: (d.dk as f64).powf(-0.5),
             rule: Rule::Delta,
             initial: prev_state.as_ref(),

@@ -122,6 +122,7 @@ impl Mixer {
             v: &xs,
             beta: &dt,
             g: Some(&g),
+            gk: None,
             scale: 1.0,
             rule: Rule::Plain,
             initial: prev_state.as_ref(),

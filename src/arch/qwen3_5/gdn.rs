@@ -154,6 +154,7 @@ impl GatedDeltaNet {
             v: &v,
             beta: &beta,
             g: Some(&g),
+            gk: None,
             scale: (d.dk as f64).powf(-0.5),
             rule: Rule::Delta,
             initial: prev_state.as_ref(),

@@ -1,0 +1,525 @@
+#!/usr/bin/env python3
+"""Reference SSE-GLA causal LM (Sparse State Expansion, arXiv 2507.16577) in plain PyTorch.
+
+The layer follows flash-linear-attention's `fla/layers/sse.py` (`SSEGLA`) and the model
+`fla/models/sse/` (config `model_type: "sse"`), with the same module names so that the
+checkpoint's tensor names are fla's:
+
+  model.embeddings.weight
+  model.layers.{i}.attn_norm.weight, model.layers.{i}.mlp_norm.weight
+  model.layers.{i}.attn.q_proj.weight, k_proj.weight, v_proj.weight         [key_dim|value_dim, D]
+  model.layers.{i}.attn.lora_q_proj.{0,1}.weight, lora_k_proj.{0,1}.weight  D -> head_v_dim -> key_dim
+  model.layers.{i}.attn.gk_proj.{0,1}.0.weight, gk_proj.{0,1}.1.{weight,bias}  D -> 16 -> key_dim
+      (gk_proj.0 is the shared partition's decay, gk_proj.1 the sparse partitions')
+  model.layers.{i}.attn.e_proj.weight                                        [N, D] router
+  model.layers.{i}.attn.q_conv1d_shared.weight, k_conv1d_shared.weight      [key_dim, 1, K] (use_short_conv)
+  model.layers.{i}.attn.g_proj.{0,1}.weight                                  D -> head_v_dim -> value_dim
+  model.layers.{i}.attn.o_norm.weight, o_proj.weight
+  model.layers.{i}.mlp.{gate,up,down}_proj.weight
+  model.norm.weight, lm_head.weight (absent when tie_word_embeddings)
+
+Per head, with q, k of width dk and the scale dk^-1/2:
+  shared path:  q1 = silu(conv(x W_q)), k1 = softmax(conv(x W_k)), g1 = logsigmoid(gk_proj.0(x)) / 16
+  sparse path:  q2 = silu(x W_q + lora_q(x)), k2 = softmax(x W_k + lora_k(x)), g2 = ... gk_proj.1
+  v = silu(x W_v);  e = softmax(x W_e) over N partitions; T = top-k(e) (k = num_writer = num_reader)
+  shared:  S0 <- diag(exp g1) S0 + k1 v^T                      (every token)
+  p in T:  Sp <- diag(exp g2) Sp + e_p k2 v^T                   (unselected partitions: unchanged,
+                                                                 no decay either)
+  o = S0^T (scale q1) + sum_{p in T} e_p Sp^T (scale q2)
+  out = o_proj(rmsnorm(o) * w * silu(g_proj(x)))
+
+Three computations of the same layer, which must agree:
+  mask:   (N+1)·H heads, sparse heads partition-major, q·e·read-mask, k·e·write-mask, v and g
+          times the write mask, one GLA pass, outputs summed over the N+1 partitions;
+  varlen: per (sequence, partition) the routed tokens are gathered in order, the recurrence runs
+          on that subsequence, outputs are scattered back and added to the shared path;
+  loop:   one token at a time with all N+1 states.
+
+Reading of fla's code (flash-linear-attention PR #882 files `fla/layers/sse.py`,
+`fla/models/sse/`, `fla/ops/sse/`, as carried by BICLab/SpikingBrain2.0's
+`flash-linear-attention_dev`):
+  - `gk_proj` is a ModuleList of two low-rank decays: index 0 for the shared partition, 1 for the
+    routed ones; both are per key channel (GLA `chunk_gla(g=gk)`), `logsigmoid(.) / 16`.
+  - the LoRA corrections have rank head_v_dim and feed only the routed partitions; the short convs
+    (`q_conv1d_shared`, `k_conv1d_shared`, no activation) only the shared one.
+  - `use_k_softmax=True`, `use_q_softmax=False` (SiLU queries), `emulq=emulk=True`, v = silu(v);
+    these, `gate_logit_normalizer=16` and `gate_low_rank_dim=16` are layer defaults, not config
+    fields.
+  - routing weights are the top-k softmax probabilities, not renormalised; the mask form masks
+    v and g with the write mask (no decay for unselected partitions) and lays the sparse heads
+    out partition-major; the varlen form needs num_writer == num_reader.
+  - GLA's default scale dk^-1/2 applies to every partition.
+
+Usage:
+  sse_reference.py train --out DIR [--minutes 4] [--device cpu|cuda]
+  sse_reference.py --eval DIR [--eval-file F] [--eval-windows 8] [--eval-seqlen 512]
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.environ.get("STATECUT_SHARED", "/work/shared")
+GATE_LOGIT_NORMALIZER = 16
+GATE_LOW_RANK_DIM = 16
+
+CONFIG = {
+    "model_type": "sse",
+    "architectures": ["SSEForCausalLM"],
+    "attn_mode": "chunk",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_heads": 2,
+    "num_v_heads": None,
+    "head_dim": 64,
+    "expand_v": 1.0,
+    "use_output_gate": True,
+    "use_short_conv": False,
+    "conv_size": 4,
+    "allow_neg_eigval": False,
+    "num_sparse_partition": 4,
+    "num_writer": 2,
+    "num_reader": 2,
+    "linear_attn_type": "gla",
+    "sse_implementation": "mask",
+    "aux_loss_coef": 0.01,
+    "max_position_embeddings": 2048,
+    "hidden_ratio": 4,
+    "intermediate_size": 256,
+    "hidden_act": "swish",
+    "norm_eps": 1e-6,
+    "attn": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": None,
+    "tie_word_embeddings": True,
+    "fuse_norm": True,
+    "fuse_swiglu": True,
+    "fuse_cross_entropy": True,
+    "vocab_size": 4096,
+}
+
+
+def rms_norm(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv, no activation (fla ShortConvolution with activation=None)."""
+
+    def __init__(self, channels, kernel):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / math.sqrt(kernel))
+        self.kernel = kernel
+
+    def forward(self, x):  # [B, T, C]
+        y = F.conv1d(x.transpose(1, 2), self.weight, padding=self.kernel - 1, groups=x.shape[-1])
+        return y[..., : x.shape[1]].transpose(1, 2)
+
+
+def gla_chunk(q, k, v, g, scale, chunk=8):
+    """GLA over [B, T, H, *]: S <- diag(exp g_t) S + k_t v_t^T, o_t = S^T (scale q_t).
+
+    Chunked: exact intra-chunk products with pairwise per-channel decays, states between chunks.
+    Returns o [B, T, H, V] and the final state [B, H, K, V]."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for s0 in range(0, T, chunk):
+        qc, kc, vc, gc = (x[:, s0 : s0 + chunk].transpose(1, 2) for x in (q, k, v, g))
+        c = qc.shape[2]
+        b = gc.cumsum(2)  # [B, H, c, K]
+        o = (qc * scale * b.exp()) @ S
+        diff = b[:, :, :, None, :] - b[:, :, None, :, :]  # [B, H, c(t), c(s), K]
+        causal = torch.tril(torch.ones(c, c, dtype=torch.bool, device=q.device))
+        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
+        A = (qc[:, :, :, None, :] * scale * kc[:, :, None, :, :] * decay).sum(-1)
+        o = o + A @ vc
+        last = b[:, :, -1:, :]
+        S = last.squeeze(2).exp()[..., None] * S + (kc * (last - b).exp()).transpose(-1, -2) @ vc
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, 1), S
+
+
+class SSEGLA(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        D = cfg["hidden_size"]
+        self.H = cfg["num_heads"]
+        if cfg.get("num_v_heads") not in (None, self.H):
+            raise ValueError("num_v_heads != num_heads is not supported here")
+        self.dk = cfg["head_dim"]
+        self.dv = int(self.dk * cfg["expand_v"])
+        self.N = cfg["num_sparse_partition"]
+        self.topk = cfg["num_writer"]
+        if cfg["num_reader"] != cfg["num_writer"]:
+            raise ValueError("num_reader must equal num_writer")
+        self.eps = cfg["norm_eps"]
+        self.impl = cfg["sse_implementation"]
+        kd, vd = self.H * self.dk, self.H * self.dv
+        self.q_proj = nn.Linear(D, kd, bias=False)
+        self.k_proj = nn.Linear(D, kd, bias=False)
+        self.v_proj = nn.Linear(D, vd, bias=False)
+        self.lora_q_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
+        self.lora_k_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
+        self.gk_proj = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(D, GATE_LOW_RANK_DIM, bias=False), nn.Linear(GATE_LOW_RANK_DIM, kd, bias=True))
+                for _ in range(2)
+            ]
+        )
+        self.e_proj = nn.Linear(D, self.N, bias=False)
+        self.use_short_conv = cfg["use_short_conv"]
+        if self.use_short_conv:
+            self.q_conv1d_shared = ShortConv(kd, cfg["conv_size"])
+            self.k_conv1d_shared = ShortConv(kd, cfg["conv_size"])
+        self.use_output_gate = cfg["use_output_gate"]
+        if self.use_output_gate:
+            self.g_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, vd, bias=False))
+        self.o_norm = RMSNorm(self.dv, self.eps)
+        self.o_proj = nn.Linear(vd, D, bias=False)
+
+    def features(self, x):
+        B, T, _ = x.shape
+        q1, k1 = self.q_proj(x), self.k_proj(x)
+        q2, k2 = q1 + self.lora_q_proj(x), k1 + self.lora_k_proj(x)
+        v = self.v_proj(x)
+        gk1, gk2 = self.gk_proj[0](x), self.gk_proj[1](x)
+        eta = self.e_proj(x)
+        if self.use_short_conv:
+            q1, k1 = self.q_conv1d_shared(q1), self.k_conv1d_shared(k1)
+        heads = lambda t, d: t.reshape(B, T, self.H, d)  # noqa: E731
+        q1, q2, k1, k2, gk1, gk2 = (heads(t, self.dk) for t in (q1, q2, k1, k2, gk1, gk2))
+        v = F.silu(heads(v, self.dv))
+        q1, q2 = F.silu(q1), F.silu(q2)
+        k1, k2 = F.softmax(k1.float(), -1).to(v), F.softmax(k2.float(), -1).to(v)
+        gk1 = F.logsigmoid(gk1) / GATE_LOGIT_NORMALIZER
+        gk2 = F.logsigmoid(gk2) / GATE_LOGIT_NORMALIZER
+        e = F.softmax(eta.float(), -1)
+        top_v, top_i = torch.topk(e, self.topk, dim=-1)
+        sel = torch.zeros_like(e, dtype=torch.bool).scatter_(-1, top_i, True)
+        w = torch.zeros_like(e).scatter_(-1, top_i, top_v).to(v)  # routing weight, 0 when unselected
+        return q1, q2, k1, k2, v, gk1, gk2, e, sel, w
+
+    def mix_mask(self, f):
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        B, T, H, K = q1.shape
+        wm, sm = w[..., None, None], sel[..., None, None].to(v)
+        q = torch.cat([q1[:, :, None], q2[:, :, None] * wm], 2).reshape(B, T, (self.N + 1) * H, K)
+        k = torch.cat([k1[:, :, None], k2[:, :, None] * wm], 2).reshape(B, T, (self.N + 1) * H, K)
+        vv = torch.cat([v[:, :, None], v[:, :, None] * sm], 2).reshape(B, T, (self.N + 1) * H, -1)
+        g = torch.cat([gk1[:, :, None], gk2[:, :, None] * sm], 2).reshape(B, T, (self.N + 1) * H, K)
+        o, S = gla_chunk(q, k, vv, g, K**-0.5)
+        return o.reshape(B, T, self.N + 1, H, -1).sum(2), S
+
+    def mix_varlen(self, f):
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        B, T, H, K = q1.shape
+        o, _ = gla_chunk(q1, k1, v, gk1, K**-0.5)
+        o2 = torch.zeros_like(o)
+        for b in range(B):
+            for p in range(self.N):
+                idx = sel[b, :, p].nonzero()[:, 0]
+                if idx.numel() == 0:
+                    continue
+                wp = w[b, idx, p][None, :, None, None]
+                sub = gla_chunk(q2[b, idx][None] * wp, k2[b, idx][None] * wp, v[b, idx][None], gk2[b, idx][None], K**-0.5)
+                o2[b].index_add_(0, idx, sub[0][0])
+        return o + o2
+
+    def mix_loop(self, f):
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        B, T, H, K = q1.shape
+        scale = K**-0.5
+        S = q1.new_zeros(B, self.N + 1, H, K, v.shape[-1])
+        outs = []
+        for t in range(T):
+            kv1 = k1[:, t, :, :, None] * v[:, t, :, None, :]
+            S0 = gk1[:, t].exp()[..., None] * S[:, 0] + kv1
+            o = (q1[:, t, :, :, None] * scale * S0).sum(-2)
+            parts = [S0]
+            for p in range(self.N):
+                wp = w[:, t, p][:, None, None, None]
+                upd = gk2[:, t].exp()[..., None] * S[:, p + 1] + wp * k2[:, t, :, :, None] * v[:, t, :, None, :]
+                Sp = torch.where(sel[:, t, p][:, None, None, None], upd, S[:, p + 1])
+                o = o + (wp * q2[:, t, :, :, None] * scale * Sp).sum(-2)
+                parts.append(Sp)
+            S = torch.stack(parts, 1)
+            outs.append(o)
+        return torch.stack(outs, 1)
+
+    def forward(self, x, impl=None):
+        f = self.features(x)
+        impl = impl or self.impl
+        o = {"mask": lambda: self.mix_mask(f)[0], "varlen": lambda: self.mix_varlen(f), "loop": lambda: self.mix_loop(f)}[impl]()
+        B, T, _ = x.shape
+        o = self.o_norm(o)
+        if self.use_output_gate:
+            o = o * F.silu(self.g_proj(x).reshape(B, T, self.H, self.dv))
+        out = self.o_proj(o.reshape(B, T, -1))
+        # load-balance loss (writer-only): sum p·f · N / k
+        aux = (f[7].mean((0, 1)) * f[8].float().mean((0, 1))).sum() * self.N / self.topk
+        return out, aux
+
+
+class MLP(nn.Module):
+    def __init__(self, D, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, inter, bias=False)
+        self.up_proj = nn.Linear(D, inter, bias=False)
+        self.down_proj = nn.Linear(inter, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i):
+        super().__init__()
+        D = cfg["hidden_size"]
+        inter = cfg.get("intermediate_size")
+        if inter is None:
+            inter = int(D * cfg["hidden_ratio"] * 2 / 3)
+            inter = 256 * ((inter + 255) // 256)
+        self.attn_norm = RMSNorm(D, cfg["norm_eps"])
+        self.attn = SSEGLA(cfg, i)
+        self.mlp_norm = RMSNorm(D, cfg["norm_eps"])
+        self.mlp = MLP(D, inter)
+
+    def forward(self, h, impl=None):
+        a, aux = self.attn(self.attn_norm(h), impl)
+        h = h + a
+        return h + self.mlp(self.mlp_norm(h)), aux
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg["num_hidden_layers"])])
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["norm_eps"])
+
+
+class SSEForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.get("linear_attn_type", "gla") != "gla":
+            raise ValueError("only linear_attn_type 'gla' is implemented here")
+        if cfg.get("attn") is not None:
+            raise ValueError("hybrid attention layers are not implemented here")
+        self.cfg = cfg
+        self.model = Inner(cfg)
+        self.tied = cfg["tie_word_embeddings"]
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def forward(self, ids, impl=None):
+        h = self.model.embeddings(ids)
+        hidden = [h]
+        aux = 0.0
+        for i, blk in enumerate(self.model.layers):
+            h, a = blk(h, impl)
+            aux = aux + a
+            if i + 1 < len(self.model.layers):
+                hidden.append(h)
+        h = self.model.norm(h)
+        hidden.append(h)
+        w = self.model.embeddings.weight if self.tied else self.lm_head.weight
+        return h @ w.t(), hidden, aux
+
+    def state_dict_fla(self):
+        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        return sd
+
+
+def load_checkpoint(d, device="cpu"):
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    m = SSEForCausalLM(cfg)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    sd = {k: v.float() for k, v in sd.items()}
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    if unexpected or [k for k in missing if not k.startswith("lm_head")]:
+        raise SystemExit(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
+    return m.to(device).eval(), cfg
+
+
+def tokenizer(path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def documents(path):
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield json.loads(line)["text"]
+
+
+def stream(tok, eos, paths, limit):
+    out = []
+    for p in paths:
+        for d in documents(p):
+            out += tok.encode(d, add_special_tokens=False).ids
+            out.append(eos)
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def eval_ppl(model, ids, seqlen, windows, device):
+    n = min((len(ids) - 1) // seqlen, windows)
+    nll = 0.0
+    with torch.no_grad():
+        for i in range(n):
+            w = torch.tensor(ids[i * seqlen : i * seqlen + seqlen + 1], device=device)[None]
+            logits = model(w[:, :-1])[0].float()
+            nll += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
+    return math.exp(nll / (n * seqlen)), n
+
+
+def cmd_eval(args):
+    model, cfg = load_checkpoint(args.eval, args.device)
+    tok = tokenizer(os.path.join(args.eval, "tokenizer.json"))
+    ids = stream(tok, cfg["eos_token_id"], [args.eval_file], args.eval_windows * args.eval_seqlen + 1)
+    ppl, n = eval_ppl(model, ids, args.eval_seqlen, args.eval_windows, args.device)
+    hd = cfg["head_dim"]
+    print(f"{args.eval}: head_dim {hd}, {n} windows x {args.eval_seqlen} tokens, perplexity {ppl:.4f}")
+
+
+def cmd_train(args):
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    dev = args.device
+    cfg = dict(CONFIG)
+    tok_path = os.path.join(SHARED, "models/delta_net/tokenizer.json")
+    tok = tokenizer(tok_path)
+    cfg["vocab_size"] = tok.get_vocab_size()
+    eos = tok.token_to_id("</s>")
+    cfg["eos_token_id"] = eos
+    if args.short_conv:
+        cfg["use_short_conv"] = True
+    cfg["aux_loss_coef"] = args.aux_coef
+    calib = sorted(glob.glob(os.path.join(SHARED, "data/calib/*.jsonl")))
+    ids = stream(tok, eos, calib, 10**9)
+    print(f"training tokens: {len(ids)}")
+    data = torch.tensor(ids)
+    model = SSEForCausalLM(cfg).to(dev)
+    for n, p in model.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    L, bs = args.seqlen, args.batch
+    t0, step = time.time(), 0
+    budget = args.minutes * 60
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        for gr in opt.param_groups:
+            gr["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        starts = torch.randint(0, len(data) - L - 1, (bs,))
+        batch = torch.stack([data[s : s + L + 1] for s in starts]).to(dev)
+        logits, _, aux = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        (loss + cfg["aux_loss_coef"] * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 25 == 0:
+            print(f"step {step} {time.time() - t0:.0f}s loss {loss.item():.3f} aux {aux.item():.3f}", flush=True)
+        step += 1
+    model = model.cpu().eval()
+    # Store bf16 weights, and compute the golden outputs from those (rounded) weights in float32.
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict_fla().items()}
+    os.makedirs(args.out, exist_ok=True)
+    save_file(sd, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    shutil.copy(tok_path, os.path.join(args.out, "tokenizer.json"))
+    write_golden(args.out, tok, eos)
+
+
+def write_golden(out, tok, eos):
+    model, cfg = load_checkpoint(out)
+    ids = stream(tok, eos, [os.path.join(SHARED, "data/eval/wiki.jsonl")], 128)[:128]
+    x = torch.tensor(ids)[None]
+    with torch.no_grad():
+        logits, hidden, _ = model(x, "mask")
+        lv, hv, _ = model(x, "varlen")
+        ll, hl, _ = model(x, "loop")
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    print(f"mask vs varlen: logits rel {rel(lv, logits):.2e}; mask vs loop: logits rel {rel(ll, logits):.2e}")
+    for a, b in zip(hidden, hv):
+        assert rel(b, a) < 1e-5
+    for a, b in zip(hidden, hl):
+        assert rel(b, a) < 1e-5
+    assert rel(lv, logits) < 1e-5 and rel(ll, logits) < 1e-5
+    save_file(
+        {
+            "input_ids": x.to(torch.int64),
+            "logits": logits.float().contiguous(),
+            "hidden_states": torch.stack(hidden).float().contiguous(),
+            "last_hidden_varlen": hv[-1].float().contiguous(),
+            "last_hidden_loop": hl[-1].float().contiguous(),
+        },
+        os.path.join(out, "golden.safetensors"),
+    )
+    print(f"wrote {out}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", nargs="?", choices=["train", "golden"], help="train a tiny model, or rewrite golden outputs")
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures", "sse_gla"))
+    ap.add_argument("--minutes", type=float, default=4.0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seqlen", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--short-conv", action="store_true", help="train with use_short_conv")
+    ap.add_argument("--aux-coef", type=float, default=0.1, help="load-balance loss weight (config aux_loss_coef)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval", metavar="DIR", help="load a checkpoint and print perplexity")
+    ap.add_argument("--eval-file", default=os.path.join(SHARED, "data/eval/wiki.jsonl"))
+    ap.add_argument("--eval-windows", type=int, default=8)
+    ap.add_argument("--eval-seqlen", type=int, default=512)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.eval:
+        cmd_eval(args)
+    elif args.cmd == "train":
+        cmd_train(args)
+    elif args.cmd == "golden":
+        tok = tokenizer(os.path.join(args.out, "tokenizer.json"))
+        write_golden(args.out, tok, tok.token_to_id("</s>"))
+    else:
+        ap.error("give `train`, `golden` or --eval DIR")
+
+
+if __name__ == "__main__":
+    main()

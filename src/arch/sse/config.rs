@@ -1,0 +1,151 @@
+//! SSE config (`model_type: "sse"`, fla `fla/models/sse/configuration_sse.py`).
+
+use anyhow::{bail, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+fn yes() -> bool {
+    true
+}
+fn two() -> usize {
+    2
+}
+fn four() -> usize {
+    4
+}
+fn six() -> usize {
+    6
+}
+fn d256() -> usize {
+    256
+}
+fn one() -> f64 {
+    1.0
+}
+fn eps() -> f64 {
+    1e-6
+}
+fn gla() -> String {
+    "gla".into()
+}
+fn varlen() -> String {
+    "varlen".into()
+}
+
+/// The SSE config fields statecut reads, with fla's defaults.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SseConfig {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub vocab_size: usize,
+    #[serde(default = "six")]
+    pub num_heads: usize,
+    #[serde(default)]
+    pub num_v_heads: Option<usize>,
+    #[serde(default = "d256")]
+    pub head_dim: usize,
+    #[serde(default = "one")]
+    pub expand_v: f64,
+    #[serde(default = "yes")]
+    pub use_output_gate: bool,
+    #[serde(default)]
+    pub use_short_conv: bool,
+    #[serde(default = "four")]
+    pub conv_size: usize,
+    #[serde(default = "four")]
+    pub num_sparse_partition: usize,
+    #[serde(default = "two")]
+    pub num_writer: usize,
+    #[serde(default = "two")]
+    pub num_reader: usize,
+    #[serde(default = "gla")]
+    pub linear_attn_type: String,
+    #[serde(default = "varlen")]
+    pub sse_implementation: String,
+    #[serde(default)]
+    pub hidden_ratio: Option<f64>,
+    #[serde(default)]
+    pub intermediate_size: Option<usize>,
+    #[serde(default = "eps")]
+    pub norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attn: Option<Value>,
+}
+
+/// How the layer combines its N+1 partitions (all three compute the same function).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Implementation {
+    /// (N+1)·H heads with masked queries/keys/values/decays, one pass, outputs summed.
+    Mask,
+    /// Per (sequence, partition): gather the routed tokens, run the recurrence, scatter back.
+    Varlen,
+    /// One token at a time with all N+1 states (a reference for tests).
+    Loop,
+}
+
+/// Sizes derived from a config as fla's `SSEGLA` derives them.
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// N, the routed partitions (the shared partition comes on top).
+    pub partitions: usize,
+    /// k, partitions each token writes to and reads from.
+    pub topk: usize,
+    pub intermediate: usize,
+    pub use_output_gate: bool,
+    pub use_short_conv: bool,
+    pub conv_size: usize,
+    pub implementation: Implementation,
+}
+
+impl SseConfig {
+    pub fn dims(&self) -> Result<Dims> {
+        if self.attn.as_ref().is_some_and(|a| !a.is_null()) {
+            bail!("hybrid SSE models (config `attn` set) are not supported yet");
+        }
+        if self.linear_attn_type != "gla" {
+            bail!("SSE linear_attn_type \"{}\" is not supported yet (only \"gla\")", self.linear_attn_type);
+        }
+        if self.num_v_heads.is_some_and(|v| v != self.num_heads) {
+            bail!("SSE with num_v_heads != num_heads is not supported yet");
+        }
+        if self.num_writer != self.num_reader {
+            bail!("SSE with num_writer != num_reader is not supported (fla's varlen form requires them equal)");
+        }
+        if self.num_writer == 0 || self.num_writer >= self.num_sparse_partition {
+            bail!("num_writer {} must be in 1..num_sparse_partition ({})", self.num_writer, self.num_sparse_partition);
+        }
+        let implementation = match self.sse_implementation.as_str() {
+            "mask" => Implementation::Mask,
+            "varlen" => Implementation::Varlen,
+            other => bail!("unknown sse_implementation \"{other}\" (fla knows \"mask\" and \"varlen\")"),
+        };
+        let dv = (self.head_dim as f64 * self.expand_v) as usize;
+        let intermediate = match self.intermediate_size {
+            Some(i) => i,
+            None => {
+                // fla GatedMLP: int(D * hidden_ratio * 2 / 3) rounded up to a multiple of 256
+                let i = (self.hidden_size as f64 * self.hidden_ratio.unwrap_or(4.0) * 2.0 / 3.0) as usize;
+                256 * i.div_ceil(256)
+            }
+        };
+        Ok(Dims {
+            hidden: self.hidden_size,
+            heads: self.num_heads,
+            dk: self.head_dim,
+            dv,
+            partitions: self.num_sparse_partition,
+            topk: self.num_writer,
+            intermediate,
+            use_output_gate: self.use_output_gate,
+            use_short_conv: self.use_short_conv,
+            conv_size: self.conv_size,
+            implementation,
+        })
+    }
+}

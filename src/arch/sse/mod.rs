@@ -1,0 +1,108 @@
+//! Sparse State Expansion (SSE, arXiv 2507.16577): `model_type: "sse"`, GLA variant.
+//!
+//! Follows fla `fla/layers/sse.py` (`SSEGLA`) and `fla/models/sse/`. Each layer keeps N routed
+//! state partitions plus one always-active shared partition, all [dk, dv] per head and all fed by
+//! the same key/query projections (the routed ones through a low-rank correction `lora_*_proj`).
+//! Key channel j therefore indexes row j of every partition's state, of `q_proj`/`k_proj`, of the
+//! second factor of `lora_q_proj`/`lora_k_proj`, of both per-channel decay projections
+//! (`gk_proj.{0,1}.1`, weight and bias) and of the shared path's short convs: pruning keeps the
+//! same index set in all of them, for every partition at once.
+
+mod config;
+mod model;
+
+use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use crate::checkpoint::Checkpoint;
+use anyhow::{bail, Result};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+pub use config::{Dims, Implementation, SseConfig};
+pub use model::SseModel;
+
+pub struct SseFamily;
+
+impl Family for SseFamily {
+    fn model_types(&self) -> &'static [&'static str] {
+        &["sse"]
+    }
+
+    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+        let cfg: SseConfig = parse(ckpt, &ckpt.config)?;
+        let d = cfg.dims()?;
+        let mut layers = Vec::new();
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}.attn.");
+            let slice =
+                |name: &str, role| RowSlice { tensor: format!("{p}{name}"), offset: 0, head_stride: d.dk, role };
+            let mut slices =
+                vec![slice("q_proj.weight", SliceRole::QueryProj), slice("k_proj.weight", SliceRole::KeyProj)];
+            for name in [
+                "lora_q_proj.1.weight",
+                "lora_k_proj.1.weight",
+                "gk_proj.0.1.weight",
+                "gk_proj.0.1.bias",
+                "gk_proj.1.1.weight",
+                "gk_proj.1.1.bias",
+            ] {
+                slices.push(slice(name, SliceRole::Channel));
+            }
+            if cfg.use_short_conv {
+                for name in
+                    ["q_conv1d_shared.weight", "k_conv1d_shared.weight", "q_conv1d_shared.bias", "k_conv1d_shared.bias"]
+                {
+                    if ckpt.tensors.contains_key(&format!("{p}{name}")) {
+                        slices.push(slice(name, SliceRole::Conv));
+                    }
+                }
+            }
+            // One state per (head, partition), head-major: state j belongs to key head j / (N+1).
+            layers.push(LayerState {
+                layer: i,
+                key_heads: d.heads,
+                value_heads: d.heads * (d.partitions + 1),
+                dv: d.dv,
+                slices,
+            });
+        }
+        Ok(StateLayout { family: "SSE".into(), dk: d.dk, layers, num_layers: cfg.num_hidden_layers })
+    }
+
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+        Ok(Box::new(SseModel::open(ckpt, opts, None)?))
+    }
+
+    fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
+        // fla: head_v_dim = int(head_dim * expand_v); keep d_v (and the LoRA / output-gate rank,
+        // which is head_v_dim too) by rescaling expand_v.
+        let dv = layout.layers.first().map_or(0, |l| l.dv);
+        config["head_dim"] = Value::from(dk);
+        config["expand_v"] = Value::from(super::fla::float_for_product(dv, dk));
+        Ok(())
+    }
+
+    fn keep_partitions(
+        &self,
+        config: &mut Value,
+        keep: &BTreeMap<usize, Vec<usize>>,
+    ) -> Result<Vec<(String, Vec<usize>)>> {
+        let n = config["num_sparse_partition"].as_u64().unwrap_or(4) as usize;
+        let topk = config["num_writer"].as_u64().unwrap_or(2) as usize;
+        let Some(count) = keep.values().next().map(Vec::len) else { return Ok(Vec::new()) };
+        if keep.values().any(|k| k.len() != count) {
+            bail!("every layer must keep the same number of partitions");
+        }
+        if count <= topk || count > n {
+            bail!(
+                "--prune-partitions {count}: must be more than num_writer ({topk}, which fla requires) and at most \
+                 num_sparse_partition ({n})"
+            );
+        }
+        if keep.values().flatten().any(|&p| p >= n) {
+            bail!("partition index out of range (num_sparse_partition {n})");
+        }
+        config["num_sparse_partition"] = Value::from(count);
+        // The router is the only tensor with a row per partition: the states live at run time.
+        Ok(keep.iter().map(|(l, k)| (format!("model.layers.{l}.attn.e_proj.weight"), k.clone())).collect())
+    }
+}
