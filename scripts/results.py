@@ -53,13 +53,16 @@ def main():
     t0 = time.time()
     rows, kappa_rows = [], []
     for m in models:
-        mdir = os.path.join(a.shared, "models", m)
+        # a name under shared/models, or a model directory (e.g. tests/fixtures/sse_gla)
+        mdir = m if os.path.isdir(m) else os.path.join(a.shared, "models", m)
+        m = os.path.basename(os.path.normpath(m))
         acts = os.path.join(a.out, f"{m}-acts.safetensors")
         if not os.path.exists(acts):
             run([a.bin, "calibrate", "-m", mdir, "--calib", data("calib", "wiki.jsonl"), "--nsamples", a.nsamples,
                  "--seqlen", a.seqlen, "--grad", "-o", acts, "-q"])
         base = json.loads(run([a.bin, "eval", "-m", mdir, "--data", evalf, "--json", "-q"]))
-        ref = json.load(open(os.path.join(mdir, "reference.json")))["eval_wiki_ppl_bf16_512x64"]
+        refp = os.path.join(mdir, "reference.json")
+        ref = json.load(open(refp))["eval_wiki_ppl_bf16_512x64"] if os.path.exists(refp) else None
         rows.append((m, "none", "0", "-", base["ppl"], ref, None))
         for method in METHODS:
             for ratio in RATIOS:
@@ -74,6 +77,15 @@ def main():
                     after = head_stats(r, "after")
                     kappa_rows.append((m, method, r["dk_after"], med([s["sigma_min"] for s in after]),
                                        med([s["sigma_max"] for s in after]), med([s["kappa"] for s in after])))
+        if json.load(open(os.path.join(mdir, "config.json"))).get("model_type") == "sse":
+            # partition pruning: keep the most routed partitions (must stay above num_writer)
+            for ratio in RATIOS:
+                out = os.path.join(a.out, f"{m}-drrqr-{ratio}-partitions3")
+                run([a.bin, "prune", "-m", mdir, "--method", "drrqr", "--ratio", ratio, "--prune-partitions", "3",
+                     "--activations", acts, "--eval", evalf, "-o", out, "--overwrite", "-q"])
+                rp = json.load(open(os.path.join(out, "statecut_report.json")))
+                rows.append((m, "drrqr + 3 of 4 partitions", ratio, f"{rp['dk_before']}->{rp['dk_after']}",
+                             rp["ppl"]["after"], None, "-"))
         before = head_stats(r, "before")
         kappa_rows.append((m, "baseline", r["dk_before"], med([s["sigma_min"] for s in before]),
                            med([s["sigma_max"] for s in before]), med([s["kappa"] for s in before])))
@@ -119,9 +131,11 @@ def main():
                 "| calibration text | DRRQR ppl | Grad ppl |", "|---|---|---|"]
         for dom, d, g in robust:
             doc.append(f"| calib/{dom}.jsonl | {d:.2f} | {g:.2f} |")
-    extra = os.path.join(os.path.dirname(a.doc), "RESULTS.reload.md")
-    if os.path.exists(extra):
-        doc += ["", open(extra).read().strip()]
+    # hand-run sections (reload checks on a GPU machine) kept beside this file
+    for name in ["RESULTS.reload.md"]:
+        extra = os.path.join(os.path.dirname(a.doc), name)
+        if os.path.exists(extra):
+            doc += ["", open(extra).read().strip()]
     open(a.doc, "w").write("\n".join(doc) + "\n")
     print(f"wrote {a.doc}", file=sys.stderr)
 

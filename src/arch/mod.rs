@@ -150,6 +150,26 @@ impl DecodeCache {
     }
 }
 
+/// Run a layer's recurrence: computes the final state only when the observer or a decoding
+/// cache needs it (the plain path keeps the differentiable op), and stores the cache.
+pub fn run_recurrence(
+    rec: &crate::ops::delta_rule::Recurrence,
+    layer: usize,
+    obs: &mut dyn Observer,
+    cache: Option<&mut LayerCache>,
+    conv: Vec<Tensor>,
+) -> Result<Tensor> {
+    if !obs.wants_state() && cache.is_none() {
+        return rec.forward().map_err(Into::into);
+    }
+    let (o, state) = rec.forward_with_state()?;
+    obs.state(layer, &state)?;
+    if let Some(c) = cache {
+        *c = LayerCache::Recurrent { conv, state };
+    }
+    Ok(o)
+}
+
 /// A loaded causal language model.
 pub trait CausalLm {
     /// Logits [B, T, V] for token ids [B, T].

@@ -135,16 +135,7 @@ impl Mixer {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        let o = if obs.wants_state() || cache.is_some() {
-            let (o, s) = rec.forward_with_state()?;
-            obs.state(self.layer, &s)?;
-            if let Some(c) = cache {
-                *c = LayerCache::Recurrent { conv: conv_states, state: s };
-            }
-            o
-        } else {
-            rec.forward()?
-        };
+        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_states)?;
         let o = match &self.g_proj {
             Some(gp) => self.o_norm.forward_gated(&o, &gp.forward(x)?.reshape((b, t, d.v_heads, d.dv))?)?,
             None => self.o_norm.forward(&o)?,

@@ -127,16 +127,7 @@ impl Mixer {
             rule: Rule::Plain,
             initial: prev_state.as_ref(),
         };
-        let o = if obs.wants_state() || cache.is_some() {
-            let (o, s) = rec.forward_with_state()?;
-            obs.state(self.layer, &s)?;
-            if let Some(cache) = cache {
-                *cache = LayerCache::Recurrent { conv: vec![conv_state], state: s };
-            }
-            o
-        } else {
-            rec.forward()?
-        };
+        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, vec![conv_state])?;
         let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
         let y = match &self.norm {
             Some(n) => n.forward(&y, &z)?,

@@ -159,16 +159,7 @@ impl GatedDeltaNet {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        let o = if obs.wants_state() || cache.is_some() {
-            let (o, s) = rec.forward_with_state()?;
-            obs.state(self.layer, &s)?;
-            if let Some(cache) = cache {
-                *cache = LayerCache::Recurrent { conv: vec![conv_state], state: s };
-            }
-            o
-        } else {
-            rec.forward()?
-        };
+        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, vec![conv_state])?;
         let o = self.norm.forward_gated(&o, &z)?;
         Ok(self.out_proj.forward(&o.reshape((b, t, d.hv * d.dv))?)?)
     }
