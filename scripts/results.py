@@ -131,6 +131,9 @@ def main():
                 "| calibration text | DRRQR ppl | Grad ppl |", "|---|---|---|"]
         for dom, d, g in robust:
             doc.append(f"| calib/{dom}.jsonl | {d:.2f} | {g:.2f} |")
+    if os.path.exists(os.path.join(os.path.dirname(a.doc), "RESULTS.sse.md")) and a.doc.endswith("RESULTS.md"):
+        doc += ["", "The Sparse State Expansion fixture (`tests/fixtures/sse_gla`), with channel and partition pruning, "
+                "is in [RESULTS.sse.md](RESULTS.sse.md)."]
     # hand-run sections (reload checks on a GPU machine) kept beside this file
     for name in ["RESULTS.reload.md"]:
         extra = os.path.join(os.path.dirname(a.doc), name)
