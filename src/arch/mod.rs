@@ -135,6 +135,12 @@ impl DecodeCache {
         Self { layers: vec![LayerCache::Empty; layers], pos: 0 }
     }
 
+    /// Start a call over `tokens` more tokens of a model with `layers` layers.
+    pub fn begin(&mut self, layers: usize, tokens: usize) {
+        self.layers.resize(layers, LayerCache::Empty);
+        self.pos += tokens;
+    }
+
     /// Elements held by recurrent states and attention caches (what a smaller state saves).
     pub fn elems(&self) -> usize {
         self.layers
@@ -172,12 +178,17 @@ pub fn run_recurrence(
 
 /// A loaded causal language model.
 pub trait CausalLm {
+    /// Logits [B, T, V] for token ids [B, T], continuing from and updating `cache` when given.
+    /// Families without step-by-step decoding reject a cache.
+    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, cache: Option<&mut DecodeCache>) -> Result<Tensor>;
     /// Logits [B, T, V] for token ids [B, T].
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor>;
+    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+        self.run(ids, obs, None)
+    }
     /// Logits [B, T, V] for ids [B, T] continuing from `cache` (a prefill when it is new),
     /// updating it: the recurrent path used for generation and decode benchmarks.
-    fn forward_cached(&self, _ids: &Tensor, _cache: &mut DecodeCache) -> Result<Tensor> {
-        bail!("step-by-step decoding is not implemented for this model family yet")
+    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
+        self.run(ids, &mut NoObserver, Some(cache))
     }
     /// Projection weights loaded as variables (with `LoadOptions::grad`), by checkpoint name.
     fn grad_vars(&self) -> &[(String, Var)];

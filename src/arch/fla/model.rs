@@ -1,7 +1,7 @@
 //! Candle forward of fla DeltaNet / Gated DeltaNet causal LMs.
 
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer};
+use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -194,14 +194,13 @@ impl FlaModel {
     }
 }
 
-impl FlaModel {
+impl CausalLm for FlaModel {
     fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         let mut h = self.embed.forward(ids)?;
         obs.hidden(0, &h)?;
         let n = self.blocks.len();
         if let Some(c) = cache.as_deref_mut() {
-            c.layers.resize(n, LayerCache::Empty);
-            c.pos += ids.dim(1)?;
+            c.begin(n, ids.dim(1)?);
         }
         for (i, blk) in self.blocks.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
@@ -214,16 +213,6 @@ impl FlaModel {
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
         Ok(self.lm_head.forward(&h)?)
-    }
-}
-
-impl CausalLm for FlaModel {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
-        self.run(ids, obs, None)
-    }
-
-    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
-        self.run(ids, &mut NoObserver, Some(cache))
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

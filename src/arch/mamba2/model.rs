@@ -2,7 +2,7 @@
 //! `MambaLMHeadModel`): pre-norm residual blocks of one Mamba-2 mixer each.
 
 use super::config::Mamba2Config;
-use crate::arch::{projection, CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer};
+use crate::arch::{projection, CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -186,14 +186,13 @@ impl Mamba2Model {
     }
 }
 
-impl Mamba2Model {
+impl CausalLm for Mamba2Model {
     fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
         // after block i (the last block's too), then the final norm's output.
         let mut h = self.embed.forward(ids)?;
         if let Some(c) = cache.as_deref_mut() {
-            c.layers.resize(self.blocks.len(), LayerCache::Empty);
-            c.pos += ids.dim(1)?;
+            c.begin(self.blocks.len(), ids.dim(1)?);
         }
         for (i, blk) in self.blocks.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
@@ -203,16 +202,6 @@ impl Mamba2Model {
         let h = self.norm_f.forward(&h)?;
         obs.hidden(self.blocks.len(), &h)?;
         Ok(self.lm_head.forward(&h)?)
-    }
-}
-
-impl CausalLm for Mamba2Model {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
-        self.run(ids, obs, None)
-    }
-
-    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
-        self.run(ids, &mut NoObserver, Some(cache))
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

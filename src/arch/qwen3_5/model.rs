@@ -5,7 +5,7 @@ use super::attention::Attention;
 use super::config::{tied, TextConfig, Variant};
 use super::gdn::GatedDeltaNet;
 use super::moe::SparseMoe;
-use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer};
+use crate::arch::{CausalLm, DecodeCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
@@ -90,14 +90,13 @@ impl Qwen35Model {
     }
 }
 
-impl Qwen35Model {
+impl CausalLm for Qwen35Model {
     fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         let mut h = self.embed.forward(ids)?;
         obs.hidden(0, &h)?;
         let n = self.layers.len();
         if let Some(c) = cache.as_deref_mut() {
-            c.layers.resize(n, LayerCache::Empty);
-            c.pos += ids.dim(1)?;
+            c.begin(n, ids.dim(1)?);
         }
         for (i, l) in self.layers.iter().enumerate() {
             let x = l.input_norm.forward(&h)?;
@@ -120,16 +119,6 @@ impl Qwen35Model {
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
         Ok(self.lm_head.forward(&h)?)
-    }
-}
-
-impl CausalLm for Qwen35Model {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
-        self.run(ids, obs, None)
-    }
-
-    fn forward_cached(&self, ids: &Tensor, cache: &mut DecodeCache) -> Result<Tensor> {
-        self.run(ids, &mut NoObserver, Some(cache))
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

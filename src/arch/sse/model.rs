@@ -8,7 +8,7 @@
 //!   o = S0ᵀ(scale q1) + Σ_{p∈T} e_p Spᵀ(scale q2), then o_norm gated by g_proj, o_proj.
 
 use super::config::{Dims, Implementation, SseConfig};
-use crate::arch::{projection, CausalLm, LoadOptions, Observer};
+use crate::arch::{projection, CausalLm, DecodeCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -375,7 +375,10 @@ impl SseModel {
 }
 
 impl CausalLm for SseModel {
-    fn forward(&self, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
+        if cache.is_some() {
+            anyhow::bail!("step-by-step decoding is not implemented for SSE models yet");
+        }
         let mut h = self.embed.forward(ids)?;
         obs.hidden(0, &h)?;
         let n = self.blocks.len();
