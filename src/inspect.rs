@@ -3,7 +3,11 @@
 //! For each head: the stable rank er(S) = ‖S‖_F²/‖S‖_2² of the final state and its utilization
 //! u = er/min(d_k, d_v) (averaged over calibration sequences), the normalised singular-value
 //! energy entropy of S, and σ_max, σ_min, κ of the head's joint key/query activation matrix
-//! M = [K_cal; Q_cal] (the quantities of the paper's Tables 5 and 6).
+//! M = [K_cal; Q_cal] (the quantities of the paper's Tables 5 and 6). Models with routed state
+//! partitions (SSE) also get partition usage, near-zero keys and gate receptive fields
+//! (`partitions`).
+
+pub mod partitions;
 
 use crate::arch::{CausalLm, Observer, StateLayout};
 use crate::calib::Collector;
@@ -11,6 +15,7 @@ use crate::linalg::spectrum::{singular_values, SpectrumStats};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use faer::Mat;
+use partitions::{NearZeroKeys, PartitionAcc, ReceptiveField};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -37,6 +42,12 @@ pub struct LayerReport {
     /// partition (they sum to the number of partitions a token selects).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub partition_usage: Option<Vec<f64>>,
+    /// SSE: share of near-zero key entries after the key feature map (see `partitions`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_zero_keys: Option<NearZeroKeys>,
+    /// SSE: gate receptive field in tokens (see `partitions`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub receptive_field: Option<ReceptiveField>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -106,11 +117,17 @@ pub struct InspectObserver {
     states: BTreeMap<usize, Vec<StateAcc>>,
     /// Per layer: tokens routed to each partition, and tokens seen.
     routing: BTreeMap<usize, (Vec<f64>, f64)>,
+    partitions: BTreeMap<usize, PartitionAcc>,
 }
 
 impl InspectObserver {
     pub fn new(layout: &StateLayout, rows: usize, seed: u64) -> Self {
-        Self { collector: Collector::new(layout, rows, seed), states: BTreeMap::new(), routing: BTreeMap::new() }
+        Self {
+            collector: Collector::new(layout, rows, seed),
+            states: BTreeMap::new(),
+            routing: BTreeMap::new(),
+            partitions: BTreeMap::new(),
+        }
     }
 }
 
@@ -131,6 +148,15 @@ impl Observer for InspectObserver {
         acc.0.iter_mut().zip(counts).for_each(|(a, c)| *a += c as f64);
         acc.1 += (b * t) as f64;
         Ok(())
+    }
+    fn partition_keys(
+        &mut self,
+        layer: usize,
+        keys: [&Tensor; 2],
+        log_decays: [&Tensor; 2],
+        selected: &Tensor,
+    ) -> Result<()> {
+        self.partitions.entry(layer).or_default().add(keys, log_decays, selected)
     }
     fn state(&mut self, layer: usize, s: &Tensor) -> Result<()> {
         let (b, h, dk, dv) = s.dims4()?;
@@ -215,7 +241,14 @@ pub fn inspect(
         activation_spectra.insert(l.layer, act_sv);
         let partition_usage =
             obs.routing.get(&l.layer).map(|(c, n)| c.iter().map(|x| x / n.max(1.0)).collect::<Vec<f64>>());
-        layers.push(LayerReport { layer: l.layer, heads, partition_usage });
+        let parts = obs.partitions.get(&l.layer);
+        layers.push(LayerReport {
+            layer: l.layer,
+            heads,
+            partition_usage,
+            near_zero_keys: parts.map(PartitionAcc::near_zero_keys),
+            receptive_field: parts.map(PartitionAcc::receptive_field),
+        });
     }
     let all: Vec<&HeadReport> = layers.iter().flat_map(|l| &l.heads).collect();
     let n = all.len().max(1) as f64;
@@ -278,6 +311,32 @@ pub fn render_table(r: &InspectReport) -> String {
         if let Some(u) = &l.partition_usage {
             let parts: Vec<String> = u.iter().map(|x| format!("{x:.3}")).collect();
             s += &format!("layer {} partition usage (fraction of tokens): {}\n", l.layer, parts.join(" "));
+        }
+        if let Some(z) = &l.near_zero_keys {
+            let parts: Vec<String> = z.partitions.iter().map(|x| format!("{x:.3}")).collect();
+            s += &format!(
+                "layer {} near-zero keys (|k| < {:.0e}): shared {:.3}, routed {:.3} (per partition {})\n",
+                l.layer,
+                partitions::NEAR_ZERO,
+                z.shared,
+                z.routed,
+                parts.join(" ")
+            );
+        }
+        if let Some(rf) = &l.receptive_field {
+            let parts: Vec<String> = rf.partitions.iter().map(|x| format!("{:.1}", x.mean)).collect();
+            s += &format!(
+                "layer {} receptive field (tokens, decay >= {}, last {} tokens): shared {:.1} +- {:.1}, routed {:.1} \
+                 +- {:.1} (per partition {})\n",
+                l.layer,
+                rf.threshold,
+                rf.last_tokens,
+                rf.shared.mean,
+                rf.shared.std,
+                rf.routed.mean,
+                rf.routed.std,
+                parts.join(" ")
+            );
         }
     }
     s += &format!(

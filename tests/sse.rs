@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde_json::{json, Value};
 use statecut::arch::sse::{Implementation, SseModel};
-use statecut::arch::{family_for, CausalLm, LoadOptions, NoObserver, Observer, SliceRole};
+use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver, Observer, SliceRole};
 use statecut::checkpoint::Checkpoint;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ const DV: usize = 12;
 const PARTS: usize = 4;
 const VOCAB: usize = 50;
 
-fn config(short_conv: bool, implementation: &str) -> Value {
+fn config(short_conv: bool, implementation: &str, transition: &str) -> Value {
     json!({
         "model_type": "sse",
         "hidden_size": HIDDEN,
@@ -36,7 +36,7 @@ fn config(short_conv: bool, implementation: &str) -> Value {
         "num_sparse_partition": PARTS,
         "num_writer": 2,
         "num_reader": 2,
-        "linear_attn_type": "gla",
+        "linear_attn_type": transition,
         "sse_implementation": implementation,
         "hidden_ratio": 4,
         "intermediate_size": 48,
@@ -50,6 +50,11 @@ fn config(short_conv: bool, implementation: &str) -> Value {
 
 /// A checkpoint with random weights (fla's tensor names) in `dir`.
 fn random_checkpoint(dir: &Path, short_conv: bool, seed: u64) {
+    random_checkpoint_of(dir, short_conv, seed, "gla")
+}
+
+/// The same for a transition ("gla" or "gdn").
+fn random_checkpoint_of(dir: &Path, short_conv: bool, seed: u64, transition: &str) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut tensors = HashMap::new();
     let mut put = |name: String, shape: &[usize], scale: f32, offset: f32| {
@@ -77,10 +82,15 @@ fn random_checkpoint(dir: &Path, short_conv: bool, seed: u64) {
         linear("attn.lora_q_proj.1.weight", kd, DV);
         linear("attn.lora_k_proj.0.weight", DV, HIDDEN);
         linear("attn.lora_k_proj.1.weight", kd, DV);
-        linear("attn.gk_proj.0.0.weight", 16, HIDDEN);
-        linear("attn.gk_proj.0.1.weight", kd, 16);
-        linear("attn.gk_proj.1.0.weight", 16, HIDDEN);
-        linear("attn.gk_proj.1.1.weight", kd, 16);
+        if transition == "gla" {
+            linear("attn.gk_proj.0.0.weight", 16, HIDDEN);
+            linear("attn.gk_proj.0.1.weight", kd, 16);
+            linear("attn.gk_proj.1.0.weight", 16, HIDDEN);
+            linear("attn.gk_proj.1.1.weight", kd, 16);
+        } else {
+            linear("attn.a_proj.weight", 2 * HEADS, HIDDEN);
+            linear("attn.b_proj.weight", 2 * HEADS, HIDDEN);
+        }
         linear("attn.g_proj.0.weight", DV, HIDDEN);
         linear("attn.g_proj.1.weight", vd, DV);
         linear("attn.o_proj.weight", HIDDEN, vd);
@@ -89,8 +99,14 @@ fn random_checkpoint(dir: &Path, short_conv: bool, seed: u64) {
         linear("mlp.down_proj.weight", HIDDEN, 48);
         // A sharp router, so that top-2 is far from ties.
         put(format!("{p}attn.e_proj.weight"), &[PARTS, HIDDEN], 1.5, 0.0);
-        put(format!("{p}attn.gk_proj.0.1.bias"), &[kd], 2.0, 1.0);
-        put(format!("{p}attn.gk_proj.1.1.bias"), &[kd], 2.0, 1.0);
+        if transition == "gla" {
+            put(format!("{p}attn.gk_proj.0.1.bias"), &[kd], 2.0, 1.0);
+            put(format!("{p}attn.gk_proj.1.1.bias"), &[kd], 2.0, 1.0);
+        } else {
+            // decay rates exp(A_log) in (0.4, 2.4), as fla initialises A in (0, 16] (smaller here)
+            put(format!("{p}attn.A_log"), &[2 * HEADS], 0.9, -0.2);
+            put(format!("{p}attn.dt_bias"), &[2 * HEADS], 1.0, -2.0);
+        }
         put(format!("{p}attn.o_norm.weight"), &[DV], 0.2, 1.0);
         if short_conv {
             put(format!("{p}attn.q_conv1d_shared.weight"), &[kd, 1, 4], 0.6, 0.0);
@@ -98,7 +114,7 @@ fn random_checkpoint(dir: &Path, short_conv: bool, seed: u64) {
         }
     }
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    std::fs::write(dir.join("config.json"), config(short_conv, "varlen").to_string()).unwrap();
+    std::fs::write(dir.join("config.json"), config(short_conv, "varlen", transition).to_string()).unwrap();
 }
 
 fn ids(b: usize, t: usize, seed: u64) -> Tensor {
@@ -117,16 +133,53 @@ fn open(dir: &Path, imp: Implementation) -> SseModel {
 
 #[test]
 fn mask_varlen_and_loop_agree() {
-    for short_conv in [false, true] {
+    for (transition, short_conv) in [("gla", false), ("gla", true), ("gdn", false), ("gdn", true)] {
         let tmp = tempfile::tempdir().unwrap();
-        random_checkpoint(tmp.path(), short_conv, 11);
+        random_checkpoint_of(tmp.path(), short_conv, 11, transition);
         let x = ids(2, 45, 5);
         let out = |imp| flat(&open(tmp.path(), imp).forward(&x, &mut NoObserver).unwrap());
         let (mask, varlen, lp) = (out(Implementation::Mask), out(Implementation::Varlen), out(Implementation::Loop));
         let (e1, e2) = (common::rel_err(&varlen, &mask), common::rel_err(&lp, &mask));
-        eprintln!("short_conv {short_conv}: varlen vs mask {e1:.2e}, loop vs mask {e2:.2e}");
-        assert!(e1 < 1e-5 && e2 < 1e-5, "forms disagree: varlen {e1:.2e}, loop {e2:.2e}");
+        eprintln!("{transition} short_conv {short_conv}: varlen vs mask {e1:.2e}, loop vs mask {e2:.2e}");
+        assert!(e1 < 1e-5 && e2 < 1e-5, "{transition}: forms disagree: varlen {e1:.2e}, loop {e2:.2e}");
     }
+}
+
+/// Prefill, then one token at a time through the conv and partition-state caches, against the
+/// full forward (every form).
+fn check_decode(model: &dyn CausalLm, x: &Tensor, prefill: usize, what: &str) {
+    let t = x.dim(1).unwrap();
+    let full = flat(&model.forward(x, &mut NoObserver).unwrap());
+    let mut cache = DecodeCache::default();
+    let mut parts = vec![model.forward_cached(&x.narrow(1, 0, prefill).unwrap(), &mut cache).unwrap()];
+    for ti in prefill..t {
+        parts.push(model.forward_cached(&x.narrow(1, ti, 1).unwrap(), &mut cache).unwrap());
+    }
+    assert_eq!(cache.pos, t);
+    let err = common::rel_err(&flat(&Tensor::cat(&parts, 1).unwrap()), &full);
+    eprintln!("{what}: decode vs full forward relative error {err:.2e}");
+    assert!(err < 1e-5, "{what}: decode vs full forward relative error {err:.2e}");
+}
+
+#[test]
+fn decode_matches_forward() {
+    for (transition, short_conv) in [("gla", true), ("gdn", true), ("gdn", false)] {
+        let tmp = tempfile::tempdir().unwrap();
+        random_checkpoint_of(tmp.path(), short_conv, 17, transition);
+        let x = ids(2, 30, 6);
+        for imp in [Implementation::Varlen, Implementation::Loop] {
+            check_decode(&open(tmp.path(), imp), &x, 21, &format!("{transition} short_conv {short_conv} {imp:?}"));
+        }
+        // The cache holds every partition's state and the shared path's two conv histories.
+        let mut cache = DecodeCache::default();
+        open(tmp.path(), Implementation::Mask).forward_cached(&x, &mut cache).unwrap();
+        let conv = if short_conv { 2 * 2 * 3 * HEADS * DK } else { 0 };
+        assert_eq!(cache.elems(), 2 * (2 * HEADS * (PARTS + 1) * DK * DV) + 2 * conv);
+    }
+    let dir = fixture();
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let x = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
+    check_decode(&open(&dir, Implementation::Varlen), &x, 40, "sse_gla fixture");
 }
 
 /// Calibration callbacks: shapes of what the model reports.
@@ -342,6 +395,12 @@ fn prune_and_inspect_commands_on_fixture() {
         assert_eq!(usage.len(), 4);
         assert!((usage.iter().sum::<f64>() - 2.0).abs() < 1e-9, "{usage:?}");
         assert_eq!(l["heads"].as_array().unwrap().len(), 2 * 5);
+        assert_eq!(l["near_zero_keys"]["partitions"].as_array().unwrap().len(), 4);
+        let rf = &l["receptive_field"];
+        for span in [&rf["shared"], &rf["routed"]] {
+            let mean = span["mean"].as_f64().unwrap();
+            assert!((1.0..=64.0).contains(&mean), "{rf}");
+        }
     }
 }
 
@@ -433,4 +492,66 @@ fn prune_partitions_keeps_router_rows() {
     );
     assert_ne!(code, 0);
     assert!(err.contains("num_writer"), "{err}");
+}
+
+/// Replace tensors of the checkpoint in `dir`.
+fn edit_tensors(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) {
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    edit(&mut tensors);
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+}
+
+/// With gates that ignore their input, every step decays by the same a: the shared partition's
+/// receptive field is the m tokens with a^(m-1) >= 1e-3 (away from the sequence start), and
+/// the routed partitions, which decay only when selected, reach further.
+#[test]
+fn inspect_receptive_field_of_constant_gates() {
+    let a: f64 = 0.9;
+    let span = (1e-3f64.ln() / a.ln()).floor() as usize + 1;
+    for transition in ["gla", "gdn"] {
+        let tmp = tempfile::tempdir().unwrap();
+        random_checkpoint_of(tmp.path(), true, 4, transition);
+        edit_tensors(tmp.path(), |t| {
+            let full = |shape: &[usize], v: f64| Tensor::full(v as f32, shape, &Device::Cpu).unwrap();
+            for l in 0..2 {
+                let p = format!("model.layers.{l}.attn.");
+                if transition == "gla" {
+                    // logsigmoid(b) / 16 = ln a
+                    for i in 0..2 {
+                        t.insert(format!("{p}gk_proj.{i}.0.weight"), full(&[16, HIDDEN], 0.0));
+                        t.insert(format!("{p}gk_proj.{i}.1.bias"), full(&[HEADS * DK], -(a.powi(-16) - 1.0).ln()));
+                    }
+                } else {
+                    // -exp(A_log) softplus(dt_bias) = ln a
+                    t.insert(format!("{p}a_proj.weight"), full(&[2 * HEADS, HIDDEN], 0.0));
+                    t.insert(format!("{p}A_log"), full(&[2 * HEADS], 0.0));
+                    t.insert(format!("{p}dt_bias"), full(&[2 * HEADS], (1.0 / a - 1.0).ln()));
+                }
+            }
+        });
+        let ckpt = Checkpoint::open(tmp.path()).unwrap();
+        let fam = family_for(&ckpt).unwrap();
+        let (model, layout) = (fam.load(&ckpt, &LoadOptions::cpu_f32()).unwrap(), fam.layout(&ckpt).unwrap());
+        let mut rng = StdRng::seed_from_u64(1);
+        let seqs: Vec<Vec<u32>> =
+            (0..2).map(|_| (0..200).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
+        let r = statecut::inspect::inspect(model.as_ref(), &layout, &seqs, 100, 0, true).unwrap();
+        for l in &r.layers {
+            let rf = l.receptive_field.as_ref().unwrap();
+            eprintln!("{transition} layer {}: {rf:?}", l.layer);
+            assert!((rf.shared.mean - span as f64).abs() < 1e-9, "{transition}: shared span {:?}", rf.shared);
+            assert_eq!((rf.shared.std, rf.shared.whole_prefix), (0.0, 0.0));
+            assert!(rf.routed.mean > rf.shared.mean + 1.0, "{transition}: routed {:?}", rf.routed);
+            let channels = if transition == "gla" { DK } else { 1 };
+            assert_eq!(rf.shared.count, 2 * 128 * HEADS * channels);
+            // Each read position is counted once per selected partition: num_reader = 2.
+            assert_eq!(rf.routed.count, 2 * rf.shared.count);
+            let z = l.near_zero_keys.as_ref().unwrap();
+            assert_eq!(z.partitions.len(), PARTS);
+            assert!([z.shared, z.routed].iter().chain(&z.partitions).all(|x| (0.0..=1.0).contains(x)));
+        }
+        let table = statecut::inspect::render_table(&r);
+        assert!(table.contains("receptive field") && table.contains("near-zero keys"), "{table}");
+    }
 }

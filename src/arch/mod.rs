@@ -106,6 +106,19 @@ pub trait Observer {
     fn routing(&mut self, _layer: usize, _selected: &Tensor) -> Result<()> {
         Ok(())
     }
+    /// Models with routed state partitions (SSE), for diagnostics: the keys after the key feature
+    /// map [B, T, H, dk] and the log decays [B, T, H, c] (c = dk for per-channel decays, 1 for
+    /// per-head ones) of the shared partition (index 0) and the routed ones (index 1), with the
+    /// routing of [`Observer::routing`]. A routed partition decays only where it is selected.
+    fn partition_keys(
+        &mut self,
+        _layer: usize,
+        _keys: [&Tensor; 2],
+        _log_decays: [&Tensor; 2],
+        _selected: &Tensor,
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// An observer that sees nothing.

@@ -63,6 +63,8 @@ pub struct SseConfig {
     #[serde(default = "varlen")]
     pub sse_implementation: String,
     #[serde(default)]
+    pub allow_neg_eigval: bool,
+    #[serde(default)]
     pub hidden_ratio: Option<f64>,
     #[serde(default)]
     pub intermediate_size: Option<usize>,
@@ -85,7 +87,16 @@ pub enum Implementation {
     Loop,
 }
 
-/// Sizes derived from a config as fla's `SSEGLA` derives them.
+/// The state transition inside every partition (`linear_attn_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// GLA: per-key-channel decay, plain write (`SSEGLA`).
+    Gla,
+    /// Gated DeltaNet: per-head decay, delta-rule write with strength beta (`SSEGDN`).
+    Gdn,
+}
+
+/// Sizes derived from a config as fla's `SSEGLA`/`SSEGDN` derive them.
 #[derive(Debug, Clone, Copy)]
 pub struct Dims {
     pub hidden: usize,
@@ -101,6 +112,8 @@ pub struct Dims {
     pub use_short_conv: bool,
     pub conv_size: usize,
     pub implementation: Implementation,
+    pub transition: Transition,
+    pub allow_neg_eigval: bool,
 }
 
 impl SseConfig {
@@ -108,9 +121,11 @@ impl SseConfig {
         if self.attn.as_ref().is_some_and(|a| !a.is_null()) {
             bail!("hybrid SSE models (config `attn` set) are not supported yet");
         }
-        if self.linear_attn_type != "gla" {
-            bail!("SSE linear_attn_type \"{}\" is not supported yet (only \"gla\")", self.linear_attn_type);
-        }
+        let transition = match self.linear_attn_type.as_str() {
+            "gla" => Transition::Gla,
+            "gdn" => Transition::Gdn,
+            other => bail!("SSE linear_attn_type \"{other}\" is not supported (fla knows \"gla\" and \"gdn\")"),
+        };
         if self.num_v_heads.is_some_and(|v| v != self.num_heads) {
             bail!("SSE with num_v_heads != num_heads is not supported yet");
         }
@@ -146,6 +161,8 @@ impl SseConfig {
             use_short_conv: self.use_short_conv,
             conv_size: self.conv_size,
             implementation,
+            transition,
+            allow_neg_eigval: self.allow_neg_eigval,
         })
     }
 }

@@ -1,14 +1,17 @@
-//! Sparse State Expansion (SSE, arXiv 2507.16577): `model_type: "sse"`, GLA variant.
+//! Sparse State Expansion (SSE, arXiv 2507.16577): `model_type: "sse"`, GLA and Gated DeltaNet
+//! transitions (`linear_attn_type` "gla", "gdn").
 //!
-//! Follows fla `fla/layers/sse.py` (`SSEGLA`) and `fla/models/sse/`. Each layer keeps N routed
-//! state partitions plus one always-active shared partition, all [dk, dv] per head and all fed by
-//! the same key/query projections (the routed ones through a low-rank correction `lora_*_proj`).
-//! Key channel j therefore indexes row j of every partition's state, of `q_proj`/`k_proj`, of the
-//! second factor of `lora_q_proj`/`lora_k_proj`, of both per-channel decay projections
-//! (`gk_proj.{0,1}.1`, weight and bias) and of the shared path's short convs: pruning keeps the
-//! same index set in all of them, for every partition at once.
+//! Follows fla `fla/layers/sse.py` (`SSEGLA`, `SSEGDN`) and `fla/models/sse/`. Each layer keeps
+//! N routed state partitions plus one always-active shared partition, all [dk, dv] per head and
+//! all fed by the same key/query projections (the routed ones through a low-rank correction
+//! `lora_*_proj`). Key channel j therefore indexes row j of every partition's state, of
+//! `q_proj`/`k_proj`, of the second factor of `lora_q_proj`/`lora_k_proj`, of GLA's per-channel
+//! decay projections (`gk_proj.{0,1}.1`, weight and bias; GDN's gates are per head) and of the
+//! shared path's short convs: pruning keeps the same index set in all of them, for every
+//! partition at once.
 
 mod config;
+mod mixer;
 mod model;
 
 use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
@@ -17,7 +20,7 @@ use anyhow::{bail, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-pub use config::{Dims, Implementation, SseConfig};
+pub use config::{Dims, Implementation, SseConfig, Transition};
 pub use model::SseModel;
 
 pub struct SseFamily;
@@ -37,14 +40,14 @@ impl Family for SseFamily {
                 |name: &str, role| RowSlice { tensor: format!("{p}{name}"), offset: 0, head_stride: d.dk, role };
             let mut slices =
                 vec![slice("q_proj.weight", SliceRole::QueryProj), slice("k_proj.weight", SliceRole::KeyProj)];
-            for name in [
-                "lora_q_proj.1.weight",
-                "lora_k_proj.1.weight",
-                "gk_proj.0.1.weight",
-                "gk_proj.0.1.bias",
-                "gk_proj.1.1.weight",
-                "gk_proj.1.1.bias",
-            ] {
+            // GDN's decays and write strengths are per head: only GLA has per-channel gates.
+            let gla_gates: &[&str] = match d.transition {
+                Transition::Gla => {
+                    &["gk_proj.0.1.weight", "gk_proj.0.1.bias", "gk_proj.1.1.weight", "gk_proj.1.1.bias"]
+                }
+                Transition::Gdn => &[],
+            };
+            for name in ["lora_q_proj.1.weight", "lora_k_proj.1.weight"].iter().chain(gla_gates) {
                 slices.push(slice(name, SliceRole::Channel));
             }
             if cfg.use_short_conv {
