@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Reference SSE-GLA causal LM (Sparse State Expansion, arXiv 2507.16577) in plain PyTorch.
+"""Reference SSE causal LM (Sparse State Expansion, arXiv 2507.16577) in plain PyTorch, with the
+GLA (`linear_attn_type: "gla"`) or the Gated DeltaNet (`"gdn"`) transition in every partition.
 
-The layer follows flash-linear-attention's `fla/layers/sse.py` (`SSEGLA`) and the model
+The layer follows flash-linear-attention's `fla/layers/sse.py` (`SSEGLA`, `SSEGDN`) and the model
 `fla/models/sse/` (config `model_type: "sse"`), with the same module names so that the
 checkpoint's tensor names are fla's:
 
@@ -10,7 +11,9 @@ checkpoint's tensor names are fla's:
   model.layers.{i}.attn.q_proj.weight, k_proj.weight, v_proj.weight         [key_dim|value_dim, D]
   model.layers.{i}.attn.lora_q_proj.{0,1}.weight, lora_k_proj.{0,1}.weight  D -> head_v_dim -> key_dim
   model.layers.{i}.attn.gk_proj.{0,1}.0.weight, gk_proj.{0,1}.1.{weight,bias}  D -> 16 -> key_dim
-      (gk_proj.0 is the shared partition's decay, gk_proj.1 the sparse partitions')
+      (gk_proj.0 is the shared partition's decay, gk_proj.1 the sparse partitions'; GLA)
+  model.layers.{i}.attn.a_proj.weight, b_proj.weight [2H, D], A_log, dt_bias [2H]
+      (GDN; the first H outputs are the shared partition's, the last H the sparse ones')
   model.layers.{i}.attn.e_proj.weight                                        [N, D] router
   model.layers.{i}.attn.q_conv1d_shared.weight, k_conv1d_shared.weight      [key_dim, 1, K] (use_short_conv)
   model.layers.{i}.attn.g_proj.{0,1}.weight                                  D -> head_v_dim -> value_dim
@@ -27,6 +30,14 @@ Per head, with q, k of width dk and the scale dk^-1/2:
                                                                  no decay either)
   o = S0^T (scale q1) + sum_{p in T} e_p Sp^T (scale q2)
   out = o_proj(rmsnorm(o) * w * silu(g_proj(x)))
+
+The GDN variant keeps everything but the transition and the key/query feature maps:
+  q = l2norm(silu(.)), k = l2norm(silu(.)) (fla's Gated DeltaNet: SiLU, then the kernel's L2 norm),
+  normalised before the routing weight scales them (otherwise the norm would undo emulq/emulk);
+  g = -exp(A_log) * softplus(a_proj(x) + dt_bias) per head, beta = sigmoid(b_proj(x)) (x2 with
+  allow_neg_eigval), each split into the shared half and the sparse half;
+  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T   (gated delta rule, per partition; e_p k for
+  the routed ones, which leaves unselected partitions unchanged as k = 0 there).
 
 Three computations of the same layer, which must agree:
   mask:   (N+1)·H heads, sparse heads partition-major, q·e·read-mask, k·e·write-mask, v and g
@@ -51,7 +62,9 @@ Reading of fla's code (flash-linear-attention PR #882 files `fla/layers/sse.py`,
   - GLA's default scale dk^-1/2 applies to every partition.
 
 Usage:
-  sse_reference.py train --out DIR [--minutes 4] [--device cpu|cuda]
+  sse_reference.py train --out DIR [--minutes 4] [--device cpu|cuda]   train, write goldens and reference.json
+  sse_reference.py init --out DIR --linear-attn-type gdn               random tiny model + goldens (test fixture)
+  sse_reference.py golden --out DIR                                     rewrite goldens (and reference.json)
   sse_reference.py --eval DIR [--eval-file F] [--eval-windows 8] [--eval-seqlen 512]
 """
 
@@ -111,6 +124,18 @@ CONFIG = {
 }
 
 
+# The random GDN test fixture: small enough to commit (a byte-sized vocabulary, no tokenizer).
+TINY = {
+    "hidden_size": 64,
+    "num_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "use_short_conv": True,
+    "vocab_size": 256,
+    "sse_implementation": "varlen",
+}
+
+
 def rms_norm(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
@@ -164,7 +189,35 @@ def gla_chunk(q, k, v, g, scale, chunk=8):
     return torch.cat(outs, 1), S
 
 
-class SSEGLA(nn.Module):
+def l2norm(x, eps=1e-6):
+    xf = x.float()
+    return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gdn_recurrent(q, k, v, g, beta, scale):
+    """Gated delta rule over [B, T, H, *], one token at a time: S <- exp(g_t) S,
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T, o_t = S^T (scale q_t); g [B, T, H, 1].
+    Returns o [B, T, H, V] and the final state [B, H, K, V]."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        kt = k[:, t]
+        u = beta[:, t, :, None] * (v[:, t] - (kt[..., None] * S).sum(-2))
+        S = S + kt[..., None] * u[..., None, :]
+        outs.append((q[:, t, :, :, None] * scale * S).sum(-2))
+    return torch.stack(outs, 1), S
+
+
+def recurrence(q, k, v, g, beta, scale):
+    """GLA (beta None, g [B, T, H, K]) or the gated delta rule (beta [B, T, H], g [B, T, H, 1])."""
+    if beta is None:
+        return gla_chunk(q, k, v, g, scale)
+    return gdn_recurrent(q, k, v, g, beta, scale)
+
+
+class SSE(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         D = cfg["hidden_size"]
@@ -185,12 +238,24 @@ class SSEGLA(nn.Module):
         self.v_proj = nn.Linear(D, vd, bias=False)
         self.lora_q_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
         self.lora_k_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
-        self.gk_proj = nn.ModuleList(
-            [
-                nn.Sequential(nn.Linear(D, GATE_LOW_RANK_DIM, bias=False), nn.Linear(GATE_LOW_RANK_DIM, kd, bias=True))
-                for _ in range(2)
-            ]
-        )
+        self.gdn = cfg.get("linear_attn_type", "gla") == "gdn"
+        if self.gdn:
+            self.a_proj = nn.Linear(D, 2 * self.H, bias=False)
+            self.b_proj = nn.Linear(D, 2 * self.H, bias=False)
+            # fla GatedDeltaNet init: A ~ U(0, 16), dt ~ logU(1e-3, 0.1), dt_bias = softplus^-1(dt)
+            self.A_log = nn.Parameter(torch.empty(2 * self.H).uniform_(1, 16).log())
+            dt = torch.exp(torch.rand(2 * self.H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+            self.beta_scale = 2.0 if cfg.get("allow_neg_eigval") else 1.0
+        else:
+            self.gk_proj = nn.ModuleList(
+                [
+                    nn.Sequential(
+                        nn.Linear(D, GATE_LOW_RANK_DIM, bias=False), nn.Linear(GATE_LOW_RANK_DIM, kd, bias=True)
+                    )
+                    for _ in range(2)
+                ]
+            )
         self.e_proj = nn.Linear(D, self.N, bias=False)
         self.use_short_conv = cfg["use_short_conv"]
         if self.use_short_conv:
@@ -207,38 +272,50 @@ class SSEGLA(nn.Module):
         q1, k1 = self.q_proj(x), self.k_proj(x)
         q2, k2 = q1 + self.lora_q_proj(x), k1 + self.lora_k_proj(x)
         v = self.v_proj(x)
-        gk1, gk2 = self.gk_proj[0](x), self.gk_proj[1](x)
         eta = self.e_proj(x)
         if self.use_short_conv:
             q1, k1 = self.q_conv1d_shared(q1), self.k_conv1d_shared(k1)
         heads = lambda t, d: t.reshape(B, T, self.H, d)  # noqa: E731
-        q1, q2, k1, k2, gk1, gk2 = (heads(t, self.dk) for t in (q1, q2, k1, k2, gk1, gk2))
+        q1, q2, k1, k2 = (heads(t, self.dk) for t in (q1, q2, k1, k2))
         v = F.silu(heads(v, self.dv))
         q1, q2 = F.silu(q1), F.silu(q2)
-        k1, k2 = F.softmax(k1.float(), -1).to(v), F.softmax(k2.float(), -1).to(v)
-        gk1 = F.logsigmoid(gk1) / GATE_LOGIT_NORMALIZER
-        gk2 = F.logsigmoid(gk2) / GATE_LOGIT_NORMALIZER
+        if self.gdn:
+            q1, q2, k1, k2 = l2norm(q1), l2norm(q2), l2norm(F.silu(k1)), l2norm(F.silu(k2))
+            g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+            beta = torch.sigmoid(self.b_proj(x)) * self.beta_scale
+            H = self.H
+            gk1, gk2 = g[..., :H, None].to(v), g[..., H:, None].to(v)
+            beta = (beta[..., :H], beta[..., H:])
+        else:
+            k1, k2 = F.softmax(k1.float(), -1).to(v), F.softmax(k2.float(), -1).to(v)
+            gk1 = F.logsigmoid(heads(self.gk_proj[0](x), self.dk)) / GATE_LOGIT_NORMALIZER
+            gk2 = F.logsigmoid(heads(self.gk_proj[1](x), self.dk)) / GATE_LOGIT_NORMALIZER
+            beta = (None, None)
         e = F.softmax(eta.float(), -1)
         top_v, top_i = torch.topk(e, self.topk, dim=-1)
         sel = torch.zeros_like(e, dtype=torch.bool).scatter_(-1, top_i, True)
         w = torch.zeros_like(e).scatter_(-1, top_i, top_v).to(v)  # routing weight, 0 when unselected
-        return q1, q2, k1, k2, v, gk1, gk2, e, sel, w
+        return q1, q2, k1, k2, v, gk1, gk2, e, sel, w, beta
 
     def mix_mask(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
         B, T, H, K = q1.shape
+        n = self.N + 1
         wm, sm = w[..., None, None], sel[..., None, None].to(v)
-        q = torch.cat([q1[:, :, None], q2[:, :, None] * wm], 2).reshape(B, T, (self.N + 1) * H, K)
-        k = torch.cat([k1[:, :, None], k2[:, :, None] * wm], 2).reshape(B, T, (self.N + 1) * H, K)
-        vv = torch.cat([v[:, :, None], v[:, :, None] * sm], 2).reshape(B, T, (self.N + 1) * H, -1)
-        g = torch.cat([gk1[:, :, None], gk2[:, :, None] * sm], 2).reshape(B, T, (self.N + 1) * H, K)
-        o, S = gla_chunk(q, k, vv, g, K**-0.5)
-        return o.reshape(B, T, self.N + 1, H, -1).sum(2), S
+        q = torch.cat([q1[:, :, None], q2[:, :, None] * wm], 2).reshape(B, T, n * H, K)
+        k = torch.cat([k1[:, :, None], k2[:, :, None] * wm], 2).reshape(B, T, n * H, K)
+        vv = torch.cat([v[:, :, None], v[:, :, None] * sm], 2).reshape(B, T, n * H, -1)
+        g = torch.cat([gk1[:, :, None], gk2[:, :, None] * sm], 2).reshape(B, T, n * H, -1)
+        beta = None
+        if b1 is not None:
+            beta = torch.cat([b1[:, :, None], b2[:, :, None].expand(B, T, self.N, H)], 2).reshape(B, T, n * H)
+        o, S = recurrence(q, k, vv, g, beta, K**-0.5)
+        return o.reshape(B, T, n, H, -1).sum(2), S
 
     def mix_varlen(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
         B, T, H, K = q1.shape
-        o, _ = gla_chunk(q1, k1, v, gk1, K**-0.5)
+        o, _ = recurrence(q1, k1, v, gk1, b1, K**-0.5)
         o2 = torch.zeros_like(o)
         for b in range(B):
             for p in range(self.N):
@@ -246,26 +323,32 @@ class SSEGLA(nn.Module):
                 if idx.numel() == 0:
                     continue
                 wp = w[b, idx, p][None, :, None, None]
-                sub = gla_chunk(q2[b, idx][None] * wp, k2[b, idx][None] * wp, v[b, idx][None], gk2[b, idx][None], K**-0.5)
+                bp = None if b2 is None else b2[b, idx][None]
+                sub = recurrence(q2[b, idx][None] * wp, k2[b, idx][None] * wp, v[b, idx][None], gk2[b, idx][None], bp, K**-0.5)
                 o2[b].index_add_(0, idx, sub[0][0])
         return o + o2
 
     def mix_loop(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w = f
+        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
         B, T, H, K = q1.shape
         scale = K**-0.5
+
+        def step(S, k, v, g, beta):  # S [B, H, K, V]; GLA: S <- exp(g) S + k v^T; GDN: delta rule
+            S = g.exp()[..., None] * S
+            u = v if beta is None else beta[..., None] * (v - (k[..., None] * S).sum(-2))
+            return S + k[..., None] * u[..., None, :]
+
         S = q1.new_zeros(B, self.N + 1, H, K, v.shape[-1])
         outs = []
         for t in range(T):
-            kv1 = k1[:, t, :, :, None] * v[:, t, :, None, :]
-            S0 = gk1[:, t].exp()[..., None] * S[:, 0] + kv1
+            S0 = step(S[:, 0], k1[:, t], v[:, t], gk1[:, t], None if b1 is None else b1[:, t])
             o = (q1[:, t, :, :, None] * scale * S0).sum(-2)
             parts = [S0]
             for p in range(self.N):
-                wp = w[:, t, p][:, None, None, None]
-                upd = gk2[:, t].exp()[..., None] * S[:, p + 1] + wp * k2[:, t, :, :, None] * v[:, t, :, None, :]
+                wp = w[:, t, p][:, None, None]
+                upd = step(S[:, p + 1], wp * k2[:, t], v[:, t], gk2[:, t], None if b2 is None else b2[:, t])
                 Sp = torch.where(sel[:, t, p][:, None, None, None], upd, S[:, p + 1])
-                o = o + (wp * q2[:, t, :, :, None] * scale * Sp).sum(-2)
+                o = o + (wp[..., None] * q2[:, t, :, :, None] * scale * Sp).sum(-2)
                 parts.append(Sp)
             S = torch.stack(parts, 1)
             outs.append(o)
@@ -305,7 +388,7 @@ class Block(nn.Module):
             inter = int(D * cfg["hidden_ratio"] * 2 / 3)
             inter = 256 * ((inter + 255) // 256)
         self.attn_norm = RMSNorm(D, cfg["norm_eps"])
-        self.attn = SSEGLA(cfg, i)
+        self.attn = SSE(cfg, i)
         self.mlp_norm = RMSNorm(D, cfg["norm_eps"])
         self.mlp = MLP(D, inter)
 
@@ -326,8 +409,8 @@ class Inner(nn.Module):
 class SSEForCausalLM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        if cfg.get("linear_attn_type", "gla") != "gla":
-            raise ValueError("only linear_attn_type 'gla' is implemented here")
+        if cfg.get("linear_attn_type", "gla") not in ("gla", "gdn"):
+            raise ValueError("linear_attn_type must be 'gla' or 'gdn'")
         if cfg.get("attn") is not None:
             raise ValueError("hybrid attention layers are not implemented here")
         self.cfg = cfg
@@ -411,6 +494,24 @@ def cmd_eval(args):
     print(f"{args.eval}: head_dim {hd}, {n} windows x {args.eval_seqlen} tokens, perplexity {ppl:.4f}")
 
 
+# The perplexity protocol of reference.json: the script's float32 forward on the first windows of
+# data/eval/wiki.jsonl (documents joined with </s>), which `statecut eval` must reproduce.
+REFERENCE_WINDOWS, REFERENCE_SEQLEN = 8, 512
+REFERENCE_KEY = f"eval_wiki_ppl_f32_{REFERENCE_SEQLEN}x{REFERENCE_WINDOWS}"
+
+
+def save_model(model, cfg, out, tok_path=None):
+    """bf16 weights with fla's names, config.json and (for text models) tokenizer.json."""
+    sd = {k: v.to(torch.bfloat16) for k, v in model.cpu().state_dict_fla().items()}
+    os.makedirs(out, exist_ok=True)
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    if tok_path:
+        shutil.copy(tok_path, os.path.join(out, "tokenizer.json"))
+
+
 def cmd_train(args):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -421,12 +522,12 @@ def cmd_train(args):
     cfg["vocab_size"] = tok.get_vocab_size()
     eos = tok.token_to_id("</s>")
     cfg["eos_token_id"] = eos
-    if args.short_conv:
-        cfg["use_short_conv"] = True
+    cfg["use_short_conv"] = args.short_conv
+    cfg["linear_attn_type"] = args.linear_attn_type
     cfg["aux_loss_coef"] = args.aux_coef
     calib = sorted(glob.glob(os.path.join(SHARED, "data/calib/*.jsonl")))
     ids = stream(tok, eos, calib, 10**9)
-    print(f"training tokens: {len(ids)}")
+    print(f"training tokens: {len(ids)} on {dev}")
     data = torch.tensor(ids)
     model = SSEForCausalLM(cfg).to(dev)
     for n, p in model.named_parameters():
@@ -436,6 +537,7 @@ def cmd_train(args):
     L, bs = args.seqlen, args.batch
     t0, step = time.time(), 0
     budget = args.minutes * 60
+    loss = torch.tensor(float("nan"))
     while time.time() - t0 < budget:
         frac = (time.time() - t0) / budget
         for gr in opt.param_groups:
@@ -451,28 +553,72 @@ def cmd_train(args):
         if step % 25 == 0:
             print(f"step {step} {time.time() - t0:.0f}s loss {loss.item():.3f} aux {aux.item():.3f}", flush=True)
         step += 1
-    model = model.cpu().eval()
+    facts = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "train_steps": step,
+        "train_tokens": step * bs * L,
+        "train_seconds": round(time.time() - t0, 1),
+        "final_train_loss": loss.item(),
+        "train_device": torch.cuda.get_device_name(0) if str(dev).startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "seed": args.seed,
+    }
     # Store bf16 weights, and compute the golden outputs from those (rounded) weights in float32.
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict_fla().items()}
-    os.makedirs(args.out, exist_ok=True)
-    save_file(sd, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-    shutil.copy(tok_path, os.path.join(args.out, "tokenizer.json"))
-    write_golden(args.out, tok, eos)
+    save_model(model, cfg, args.out, tok_path)
+    write_golden(args.out, text_ids(args.out))
+    write_reference(args.out, facts)
 
 
-def write_golden(out, tok, eos):
+def cmd_init(args):
+    """A randomly initialised tiny model (no tokenizer) and its goldens: a parity fixture.
+
+    Weights are scaled so that every mixer moves the residual stream as much as the embedding
+    does (a 0.02 init would leave the logits to the embeddings alone), and the router is sharp,
+    so that top-k routing is far from ties."""
+    torch.manual_seed(args.seed)
+    cfg = dict(CONFIG, **TINY, linear_attn_type=args.linear_attn_type)
+    model = SSEForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("embeddings.weight"):
+                nn.init.normal_(p, std=1.0)
+            elif n.endswith("e_proj.weight"):
+                nn.init.normal_(p, std=3.0 / math.sqrt(p.shape[1]))
+            elif p.dim() == 2:
+                nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
+            elif n.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+    save_model(model, cfg, args.out)
+    write_golden(args.out, torch.randint(0, cfg["vocab_size"], (1, 64)))
+
+
+def text_ids(out):
+    """The first 128 tokens of data/eval/wiki.jsonl (the reference models' golden input)."""
+    tok = tokenizer(os.path.join(out, "tokenizer.json"))
+    ids = stream(tok, tok.token_to_id("</s>"), [os.path.join(SHARED, "data/eval/wiki.jsonl")], 128)[:128]
+    return torch.tensor(ids)[None]
+
+
+def router_margin(model, hidden):
+    """Smallest gap between the k-th and the (k+1)-th routing probability over tokens and layers."""
+    gaps = []
+    with torch.no_grad():
+        for blk, h in zip(model.model.layers, hidden):
+            e = blk.attn.features(blk.attn_norm(h))[7]
+            top = torch.topk(e, blk.attn.topk + 1, dim=-1).values
+            gaps.append((top[..., -2] - top[..., -1]).min().item())
+    return min(gaps)
+
+
+def write_golden(out, x):
     model, cfg = load_checkpoint(out)
-    ids = stream(tok, eos, [os.path.join(SHARED, "data/eval/wiki.jsonl")], 128)[:128]
-    x = torch.tensor(ids)[None]
     with torch.no_grad():
         logits, hidden, _ = model(x, "mask")
         lv, hv, _ = model(x, "varlen")
         ll, hl, _ = model(x, "loop")
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     print(f"mask vs varlen: logits rel {rel(lv, logits):.2e}; mask vs loop: logits rel {rel(ll, logits):.2e}")
+    print(f"smallest router margin {router_margin(model, hidden):.2e}")
     for a, b in zip(hidden, hv):
         assert rel(b, a) < 1e-5
     for a, b in zip(hidden, hl):
@@ -480,7 +626,7 @@ def write_golden(out, tok, eos):
     assert rel(lv, logits) < 1e-5 and rel(ll, logits) < 1e-5
     save_file(
         {
-            "input_ids": x.to(torch.int64),
+            "input_ids": x.to(torch.int64).contiguous(),
             "logits": logits.float().contiguous(),
             "hidden_states": torch.stack(hidden).float().contiguous(),
             "last_hidden_varlen": hv[-1].float().contiguous(),
@@ -488,15 +634,40 @@ def write_golden(out, tok, eos):
         },
         os.path.join(out, "golden.safetensors"),
     )
-    print(f"wrote {out}")
+    print(f"wrote {out}/golden.safetensors")
+
+
+def write_reference(out, facts=None):
+    """reference.json: training facts and the perplexity of REFERENCE_KEY (kept facts of an
+    earlier file when only the perplexity is recomputed)."""
+    path = os.path.join(out, "reference.json")
+    ref = json.load(open(path)) if os.path.exists(path) else {}
+    ref.update(facts or {})
+    model, cfg = load_checkpoint(out)
+    tok = tokenizer(os.path.join(out, "tokenizer.json"))
+    want = REFERENCE_WINDOWS * REFERENCE_SEQLEN + 1
+    ids = stream(tok, cfg["eos_token_id"], [os.path.join(SHARED, "data/eval/wiki.jsonl")], want)
+    ppl, n = eval_ppl(model, ids, REFERENCE_SEQLEN, REFERENCE_WINDOWS, "cpu")
+    assert n == REFERENCE_WINDOWS
+    ref[REFERENCE_KEY] = ppl
+    with open(path, "w") as f:
+        json.dump(ref, f, indent=2)
+        f.write("\n")
+    print(f"{REFERENCE_KEY} = {ppl:.4f}; wrote {path}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", nargs="?", choices=["train", "golden"], help="train a tiny model, or rewrite golden outputs")
-    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures", "sse_gla"))
-    ap.add_argument("--minutes", type=float, default=4.0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "cmd",
+        nargs="?",
+        choices=["train", "init", "golden"],
+        help="train a tiny model, make a random one, or rewrite golden outputs",
+    )
+    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures", "sse_gla"), help="model directory")
+    ap.add_argument("--minutes", type=float, default=4.0, help="training time budget")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (training; goldens are always CPU float32)")
+    ap.add_argument("--linear-attn-type", choices=["gla", "gdn"], default="gla", help="transition in every partition")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seqlen", type=int, default=128)
@@ -514,11 +685,16 @@ def main():
         cmd_eval(args)
     elif args.cmd == "train":
         cmd_train(args)
+    elif args.cmd == "init":
+        cmd_init(args)
     elif args.cmd == "golden":
-        tok = tokenizer(os.path.join(args.out, "tokenizer.json"))
-        write_golden(args.out, tok, tok.token_to_id("</s>"))
+        if os.path.exists(os.path.join(args.out, "tokenizer.json")):
+            write_golden(args.out, text_ids(args.out))
+            write_reference(args.out)
+        else:
+            write_golden(args.out, load_file(os.path.join(args.out, "golden.safetensors"))["input_ids"])
     else:
-        ap.error("give `train`, `golden` or --eval DIR")
+        ap.error("give `train`, `init`, `golden` or --eval DIR")
 
 
 if __name__ == "__main__":

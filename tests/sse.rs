@@ -176,10 +176,12 @@ fn decode_matches_forward() {
         let conv = if short_conv { 2 * 2 * 3 * HEADS * DK } else { 0 };
         assert_eq!(cache.elems(), 2 * (2 * HEADS * (PARTS + 1) * DK * DV) + 2 * conv);
     }
-    let dir = fixture();
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let x = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
-    check_decode(&open(&dir, Implementation::Varlen), &x, 40, "sse_gla fixture");
+    for name in ["sse_gla", "sse_gdn"] {
+        let dir = fixture_dir(name);
+        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let x = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
+        check_decode(&open(&dir, Implementation::Varlen), &x, 40, &format!("{name} fixture"));
+    }
 }
 
 /// Calibration callbacks: shapes of what the model reports.
@@ -287,8 +289,14 @@ fn layout_slices_every_key_channel_tensor() {
 /// check that the reloaded model runs in all three forms alike.
 #[test]
 fn sliced_checkpoint_reloads_and_forms_agree() {
+    for transition in ["gla", "gdn"] {
+        sliced_checkpoint_reloads(transition);
+    }
+}
+
+fn sliced_checkpoint_reloads(transition: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    random_checkpoint(tmp.path(), true, 21);
+    random_checkpoint_of(tmp.path(), true, 21, transition);
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     let fam = family_for(&ckpt).unwrap();
     let layout = fam.layout(&ckpt).unwrap();
@@ -319,8 +327,25 @@ fn sliced_checkpoint_reloads_and_forms_agree() {
     assert_eq!(Checkpoint::open(&out).unwrap().config["head_dim"], keep.len());
 }
 
+/// A committed fixture: `sse_gla` (trained, with tokenizer and reference.json) or `sse_gdn`
+/// (random weights); both written by scripts/sse_reference.py with golden outputs.
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sse_gla")
+    fixture_dir("sse_gla")
+}
+
+/// A number from the fixture's config.json.
+fn cfg_usize(dir: &Path, key: &str) -> usize {
+    Checkpoint::open(dir).unwrap().config[key].as_u64().unwrap_or_else(|| panic!("config {key}")) as usize
+}
+
+/// head_v_dim as fla derives it.
+fn cfg_dv(dir: &Path) -> usize {
+    let c = Checkpoint::open(dir).unwrap().config;
+    (c["head_dim"].as_f64().unwrap() * c["expand_v"].as_f64().unwrap()) as usize
 }
 
 struct Hidden(Vec<Tensor>);
@@ -334,8 +359,14 @@ impl Observer for Hidden {
 /// Golden parity with scripts/sse_reference.py (float32 forward of the stored weights), for
 /// each of the three forms.
 #[test]
-fn fixture_matches_reference_script() {
-    let dir = fixture();
+fn fixtures_match_reference_script() {
+    for name in ["sse_gla", "sse_gdn"] {
+        check_golden(name);
+    }
+}
+
+fn check_golden(name: &str) {
+    let dir = fixture_dir(name);
     let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
@@ -345,21 +376,21 @@ fn fixture_matches_reference_script() {
         let mut hidden = Hidden(Vec::new());
         let logits = model.forward(&ids, &mut hidden).unwrap();
         let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
-        eprintln!("sse_gla {imp:?}: logits relative error {err:.3e}");
-        assert!(err < 1e-3, "{imp:?}: logits relative error {err:.3e} >= 1e-3");
+        eprintln!("{name} {imp:?}: logits relative error {err:.3e}");
+        assert!(err < 1e-3, "{name} {imp:?}: logits relative error {err:.3e} >= 1e-3");
         let gh = &golden["hidden_states"];
         assert_eq!(hidden.0.len(), gh.dim(0).unwrap(), "number of hidden states");
         for (i, h) in hidden.0.iter().enumerate() {
             let err = common::rel_err(&flat(h), &flat(&gh.get(i).unwrap()));
-            eprintln!("sse_gla {imp:?}: hidden_states[{i}] relative error {err:.3e}");
-            assert!(err < 1e-3, "{imp:?}: hidden_states[{i}] relative error {err:.3e} >= 1e-3");
+            eprintln!("{name} {imp:?}: hidden_states[{i}] relative error {err:.3e}");
+            assert!(err < 1e-3, "{name} {imp:?}: hidden_states[{i}] relative error {err:.3e} >= 1e-3");
         }
     }
     // The script's own varlen and loop forms agree with its mask form (final norm outputs).
     let gh = golden["hidden_states"].dim(0).unwrap();
     let last = flat(&golden["hidden_states"].get(gh - 1).unwrap());
     for key in ["last_hidden_varlen", "last_hidden_loop"] {
-        assert!(common::rel_err(&flat(&golden[key]), &last) < 1e-5, "{key}");
+        assert!(common::rel_err(&flat(&golden[key]), &last) < 1e-5, "{name}: {key}");
     }
 }
 
@@ -373,9 +404,9 @@ fn prune_and_inspect_commands_on_fixture() {
     let args = ["prune", "-m", dir.to_str().unwrap(), "--method", "l1", "--ratio", "0.5", "-o", out.to_str().unwrap()];
     let (code, _, err) = common::statecut(&[&args[..], &["-q"]].concat(), &[]);
     assert_eq!(code, 0, "prune failed:\n{err}");
-    let ckpt = Checkpoint::open(&out).unwrap();
-    assert_eq!(ckpt.config["head_dim"], 32);
-    assert_eq!((32.0 * ckpt.config["expand_v"].as_f64().unwrap()) as usize, 64);
+    let (dk, dv) = (cfg_usize(&dir, "head_dim"), cfg_dv(&dir));
+    assert_eq!(cfg_usize(&out, "head_dim"), dk / 2);
+    assert_eq!(cfg_dv(&out), dv);
     let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
     let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
@@ -390,12 +421,14 @@ fn prune_and_inspect_commands_on_fixture() {
     );
     assert_eq!(code, 0, "inspect failed:\n{err}");
     let report: Value = serde_json::from_str(&json).unwrap();
+    let (n, topk, heads) =
+        (cfg_usize(&dir, "num_sparse_partition"), cfg_usize(&dir, "num_writer"), cfg_usize(&dir, "num_heads"));
     for l in report["layers"].as_array().unwrap() {
         let usage: Vec<f64> = l["partition_usage"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
-        assert_eq!(usage.len(), 4);
-        assert!((usage.iter().sum::<f64>() - 2.0).abs() < 1e-9, "{usage:?}");
-        assert_eq!(l["heads"].as_array().unwrap().len(), 2 * 5);
-        assert_eq!(l["near_zero_keys"]["partitions"].as_array().unwrap().len(), 4);
+        assert_eq!(usage.len(), n);
+        assert!((usage.iter().sum::<f64>() - topk as f64).abs() < 1e-9, "{usage:?}");
+        assert_eq!(l["heads"].as_array().unwrap().len(), heads * (n + 1));
+        assert_eq!(l["near_zero_keys"]["partitions"].as_array().unwrap().len(), n);
         let rf = &l["receptive_field"];
         for span in [&rf["shared"], &rf["routed"]] {
             let mean = span["mean"].as_f64().unwrap();
@@ -443,7 +476,7 @@ fn prune_partitions_keeps_router_rows() {
             "--ratio",
             "0.25",
             "--prune-partitions",
-            "3",
+            &(cfg_usize(&dir, "num_sparse_partition") - 1).to_string(),
             "--nsamples",
             "2",
             "--seqlen",
@@ -456,14 +489,17 @@ fn prune_partitions_keeps_router_rows() {
     );
     assert_eq!(code, 0, "prune failed:\n{err}");
     let ckpt = Checkpoint::open(&out).unwrap();
-    assert_eq!(ckpt.config["num_sparse_partition"], 3);
-    assert_eq!(ckpt.config["head_dim"], 48);
-    assert_eq!(ckpt.info("model.layers.0.attn.e_proj.weight").unwrap().shape, vec![3, 128]);
+    let c = |key: &str| cfg_usize(&dir, key);
+    let (n, heads, layers) = (c("num_sparse_partition"), c("num_heads"), c("num_hidden_layers"));
+    let dk = cfg_usize(&out, "head_dim");
+    assert_eq!(cfg_usize(&out, "num_sparse_partition"), n - 1);
+    assert!(dk < c("head_dim"), "--ratio 0.25 keeps {dk} of {} channels", c("head_dim"));
+    assert_eq!(ckpt.info("model.layers.0.attn.e_proj.weight").unwrap().shape, vec![n - 1, c("hidden_size")]);
     let layout = family_for(&ckpt).unwrap().layout(&ckpt).unwrap();
-    assert_eq!(layout.layers[0].value_heads, 2 * 4);
+    assert_eq!(layout.layers[0].value_heads, heads * n);
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("statecut_report.json")).unwrap()).unwrap();
-    assert_eq!(report["state_elems_after"], 2 * 2 * 4 * 48 * 64);
+    assert_eq!(report["state_elems_after"], layers * heads * n * dk * cfg_dv(&dir));
     let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
     let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
@@ -483,7 +519,7 @@ fn prune_partitions_keeps_router_rows() {
             "--ratio",
             "0.25",
             "--prune-partitions",
-            "2",
+            &cfg_usize(&dir, "num_writer").to_string(),
             "-o",
             tmp.path().join("bad").to_str().unwrap(),
             "-q",
@@ -544,7 +580,7 @@ fn inspect_receptive_field_of_constant_gates() {
             assert_eq!((rf.shared.std, rf.shared.whole_prefix), (0.0, 0.0));
             assert!(rf.routed.mean > rf.shared.mean + 1.0, "{transition}: routed {:?}", rf.routed);
             let channels = if transition == "gla" { DK } else { 1 };
-            assert_eq!(rf.shared.count, 2 * 128 * HEADS * channels);
+            assert_eq!(rf.shared.count, 2 * statecut::inspect::partitions::RF_TOKENS * HEADS * channels);
             // Each read position is counted once per selected partition: num_reader = 2.
             assert_eq!(rf.routed.count, 2 * rf.shared.count);
             let z = l.near_zero_keys.as_ref().unwrap();
@@ -554,4 +590,41 @@ fn inspect_receptive_field_of_constant_gates() {
         let table = statecut::inspect::render_table(&r);
         assert!(table.contains("receptive field") && table.contains("near-zero keys"), "{table}");
     }
+}
+
+/// `statecut eval` on the protocol of the fixture's reference.json (the script's float32
+/// perplexity on the first windows of eval/wiki) gives the script's number.
+#[test]
+fn fixture_eval_matches_reference_perplexity() {
+    let Some(shared) = common::shared() else { return };
+    let dir = fixture();
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let (key, want) = reference
+        .as_object()
+        .unwrap()
+        .iter()
+        .find_map(|(k, v)| k.strip_prefix("eval_wiki_ppl_f32_").map(|p| (p.to_string(), v.as_f64().unwrap())))
+        .expect("reference.json has eval_wiki_ppl_f32_<seqlen>x<windows>");
+    let (seqlen, windows) = key.split_once('x').unwrap();
+    let data = shared.join("data/eval/wiki.jsonl");
+    let (code, out, err) = common::statecut(
+        &[
+            "eval",
+            "-m",
+            dir.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--seqlen",
+            seqlen,
+            "--windows",
+            windows,
+            "--json",
+            "-q",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let got = serde_json::from_str::<Value>(&out).unwrap()["ppl"].as_f64().unwrap();
+    eprintln!("sse_gla: ppl {got:.4} vs reference {want:.4} ({key})");
+    assert!((got - want).abs() / want < 1e-3, "ppl {got} vs reference {want}");
 }
