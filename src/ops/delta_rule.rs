@@ -307,6 +307,50 @@ impl CustomOp1 for RecurrenceOp {
     }
 }
 
+/// Which implementation computes a [`Recurrence`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// This module's float32 CPU kernel (inputs on another device are copied to the host).
+    Sequential,
+    /// [`super::chunked`]: batched matmuls on the inputs' own device.
+    Chunked,
+}
+
+impl Kernel {
+    /// Chunked on GPUs, where it keeps the work on the device; sequential on the CPU, where the
+    /// per-head loop is exact and at least as fast for the model sizes that run there.
+    /// `STATECUT_RECURRENCE=sequential|chunked` overrides the choice (for benchmarks and tests);
+    /// per-key-channel decay (GLA) always uses the sequential kernel.
+    pub fn choose(rec: &Recurrence) -> Kernel {
+        static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
+        let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
+            Ok("chunked") => Some(Kernel::Chunked),
+            Ok("sequential") => Some(Kernel::Sequential),
+            _ => None,
+        });
+        if !super::chunked::supports(rec) {
+            return Kernel::Sequential;
+        }
+        FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() {
+            Kernel::Sequential
+        } else {
+            Kernel::Chunked
+        })
+    }
+
+    /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).
+    pub fn scoped<R>(kernel: Kernel, f: impl FnOnce() -> R) -> R {
+        let before = FORCED.with(|c| c.replace(Some(kernel)));
+        let out = f();
+        FORCED.with(|c| c.set(before));
+        out
+    }
+}
+
+thread_local! {
+    static FORCED: std::cell::Cell<Option<Kernel>> = const { std::cell::Cell::new(None) };
+}
+
 /// Inputs of the recurrence, all with the value-head count H (repeat key heads first for GVA).
 pub struct Recurrence<'a> {
     /// [B, T, H, dk]
@@ -349,8 +393,16 @@ impl Recurrence<'_> {
 
     /// Outputs o [B, T, H, dv] (differentiable), on the input's device and dtype.
     pub fn forward(&self) -> Result<Tensor> {
+        if Kernel::choose(self) == Kernel::Chunked {
+            return super::chunked::forward(self)?.0.to_dtype(self.v.dtype());
+        }
+        self.forward_sequential()
+    }
+
+    /// [`Self::forward`] on the sequential kernel, whatever the device.
+    pub fn forward_sequential(&self) -> Result<Tensor> {
         if self.initial.is_some() {
-            return Ok(self.forward_with_state()?.0);
+            return Ok(self.sequential_with_state()?.0);
         }
         let o = self.packed()?.apply_op1(self.op()?)?;
         o.to_device(self.q.device())?.to_dtype(self.v.dtype())
@@ -358,6 +410,15 @@ impl Recurrence<'_> {
 
     /// Outputs o [B, T, H, dv] and the final state S [B, H, dk, dv] (not differentiable).
     pub fn forward_with_state(&self) -> Result<(Tensor, Tensor)> {
+        if Kernel::choose(self) == Kernel::Chunked {
+            let (o, s) = super::chunked::forward(self)?;
+            return Ok((o.to_dtype(self.v.dtype())?, s));
+        }
+        self.sequential_with_state()
+    }
+
+    /// [`Self::forward_with_state`] on the sequential kernel, whatever the device.
+    pub fn sequential_with_state(&self) -> Result<(Tensor, Tensor)> {
         let op = self.op()?;
         let x = self.packed()?;
         let d = op.dims(x.shape())?;

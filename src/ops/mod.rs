@@ -1,5 +1,6 @@
 //! Math shared by every architecture adapter: written once, reused.
 
+pub mod chunked;
 pub mod conv;
 pub mod delta_rule;
 pub mod mlp;
