@@ -30,20 +30,44 @@ impl Reservoir {
         self.rows.is_empty()
     }
 
-    /// Offer every row of a row-major [n, width] buffer.
-    pub fn offer(&mut self, data: &[f32], rng: &mut StdRng) {
-        for row in data.chunks_exact(self.width) {
-            if self.len() < self.cap {
-                self.rows.extend_from_slice(row);
+    /// Where each of `n` offered rows goes: (row, slot), slot == current length meaning append;
+    /// rows not kept are absent. It depends only on counts and the RNG, never on the values, so
+    /// the kept rows can be picked on the device before anything is copied to the host.
+    pub fn plan(&mut self, n: usize, rng: &mut StdRng) -> Vec<(usize, usize)> {
+        let mut len = self.len();
+        let mut out = Vec::new();
+        for r in 0..n {
+            if len < self.cap {
+                out.push((r, len));
+                len += 1;
             } else {
                 let j = rng.random_range(0..=self.seen);
                 if (j as usize) < self.cap {
-                    let j = j as usize;
-                    self.rows[j * self.width..(j + 1) * self.width].copy_from_slice(row);
+                    out.push((r, j as usize));
                 }
             }
             self.seen += 1;
         }
+        out
+    }
+
+    /// Store the rows a [`Self::plan`] kept, given in plan order as a row-major buffer.
+    pub fn place(&mut self, plan: &[(usize, usize)], rows: &[f32]) {
+        for ((_, slot), row) in plan.iter().zip(rows.chunks_exact(self.width)) {
+            if *slot == self.len() {
+                self.rows.extend_from_slice(row);
+            } else {
+                self.rows[slot * self.width..(slot + 1) * self.width].copy_from_slice(row);
+            }
+        }
+    }
+
+    /// Offer every row of a row-major [n, width] buffer.
+    pub fn offer(&mut self, data: &[f32], rng: &mut StdRng) {
+        let plan = self.plan(data.len() / self.width, rng);
+        let rows: Vec<f32> =
+            plan.iter().flat_map(|(r, _)| data[r * self.width..(r + 1) * self.width].iter().copied()).collect();
+        self.place(&plan, &rows);
     }
 
     /// Column block [.., h*dk .. (h+1)*dk] as a row-major [len, dk] buffer.
@@ -74,10 +98,15 @@ impl LayerCalib {
 pub struct Collector {
     pub dk: usize,
     pub layers: BTreeMap<usize, LayerCalib>,
-    rng_k: StdRng,
-    rng_q: StdRng,
+    /// One (keys, queries) sampling stream per sequence of the batch in flight, so that a
+    /// sequence's sample does not depend on the batch it ran in.
+    rngs: Vec<(StdRng, StdRng)>,
     /// Skip the first `skip` tokens of each sequence (warm-up of the state), as in the paper's plots.
     pub skip: usize,
+}
+
+fn streams(seed: u64) -> (StdRng, StdRng) {
+    (StdRng::seed_from_u64(seed), StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15))
 }
 
 impl Collector {
@@ -99,25 +128,34 @@ impl Collector {
                 )
             })
             .collect();
-        Self {
-            dk: layout.dk,
-            layers,
-            rng_k: StdRng::seed_from_u64(seed),
-            rng_q: StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15),
-            skip: 0,
-        }
+        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0 }
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).
     pub fn reseed(&mut self, seed: u64) {
-        self.rng_k = StdRng::seed_from_u64(seed);
-        self.rng_q = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+        self.reseed_batch(&[seed]);
+    }
+
+    /// One seed per sequence of the next forward pass's batch.
+    pub fn reseed_batch(&mut self, seeds: &[u64]) {
+        self.rngs = seeds.iter().map(|&s| streams(s)).collect();
     }
 }
 
-fn rows_f32(t: &Tensor, skip: usize) -> Result<Vec<f32>> {
-    let t = if skip > 0 && t.dim(1)? > skip { t.narrow(1, skip, t.dim(1)? - skip)? } else { t.clone() };
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+/// Offer the [T, W] rows of one sequence (minus the first `skip`) to `res`, copying only the
+/// rows it keeps off the device.
+fn offer_rows(res: &mut Reservoir, x: &Tensor, skip: usize, rng: &mut StdRng) -> Result<()> {
+    let t = x.dim(0)?;
+    let skip = if t > skip { skip } else { 0 };
+    let plan = res.plan(t - skip, rng);
+    if plan.is_empty() {
+        return Ok(());
+    }
+    let idx: Vec<u32> = plan.iter().map(|(r, _)| (r + skip) as u32).collect();
+    let idx = Tensor::from_vec(idx, plan.len(), x.device())?;
+    let rows = x.index_select(&idx, 0)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    res.place(&plan, &rows);
+    Ok(())
 }
 
 impl Observer for Collector {
@@ -138,8 +176,13 @@ impl Observer for Collector {
     fn qk(&mut self, layer: usize, q: &Tensor, k: &Tensor) -> Result<()> {
         let skip = self.skip;
         let Some(l) = self.layers.get_mut(&layer) else { return Ok(()) };
-        l.keys.offer(&rows_f32(k, skip)?, &mut self.rng_k);
-        l.queries.offer(&rows_f32(q, skip)?, &mut self.rng_q);
+        let (b, t, h, d) = k.dims4()?;
+        for i in 0..b {
+            // A batch without per-sequence seeds is sampled as one stream, in order.
+            let (rk, rq) = if self.rngs.len() == b { &mut self.rngs[i] } else { &mut self.rngs[0] };
+            offer_rows(&mut l.keys, &k.get(i)?.reshape((t, h * d))?, skip, rk)?;
+            offer_rows(&mut l.queries, &q.get(i)?.reshape((t, h * d))?, skip, rq)?;
+        }
         Ok(())
     }
 }
@@ -187,6 +230,16 @@ pub struct Calibration {
     pub tokens: usize,
 }
 
+/// Sequences per forward pass when the user gives none: one on the CPU (the kernels already use
+/// every core), 16384 tokens' worth on a GPU, and one when the backward must keep all layers.
+pub fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool) -> usize {
+    if device.is_cpu() || grad {
+        1
+    } else {
+        (16384 / seqlen.max(1)).max(1)
+    }
+}
+
 impl Calibration {
     pub fn new(settings: CalibSettings, layout: &StateLayout, hidden: usize) -> Self {
         Self {
@@ -199,26 +252,34 @@ impl Calibration {
         }
     }
 
-    /// Run the remaining sequences through `model`, saving every `save_every` sequences.
+    /// Run the remaining sequences through `model`, `batch` sequences of equal length per forward
+    /// pass, saving every `save_every` sequences. The sampled rows do not depend on `batch`.
     pub fn run(
         &mut self,
         model: &dyn crate::arch::CausalLm,
         seqs: &[Vec<u32>],
+        batch: usize,
         save: Option<(&std::path::Path, usize)>,
         quiet: bool,
     ) -> Result<()> {
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
-        for (i, seq) in seqs.iter().enumerate().skip(self.sequences_done) {
-            // Deterministic across interruptions: each sequence has its own sampling stream.
-            self.collector.reseed(self.settings.seed.wrapping_add(i as u64 * 0x1000_0000_01b3));
-            let ids = Tensor::from_slice(seq, (1, seq.len()), model.device())?;
+        while self.sequences_done < seqs.len() {
+            let first = self.sequences_done;
+            let len = seqs[first].len();
+            let n = seqs[first..].iter().take(batch.max(1)).take_while(|s| s.len() == len).count();
+            // Deterministic across interruptions and batch sizes: each sequence has its own stream.
+            let seeds: Vec<u64> =
+                (first..first + n).map(|i| self.settings.seed.wrapping_add(i as u64 * 0x1000_0000_01b3)).collect();
+            self.collector.reseed_batch(&seeds);
+            let flat: Vec<u32> = seqs[first..first + n].iter().flatten().copied().collect();
+            let ids = Tensor::from_vec(flat, (n, len), model.device())?;
             let logits = model.forward(&ids, &mut self.collector)?;
             if self.settings.grad {
-                let n = seq.len();
-                let logits = logits.narrow(1, 0, n - 1)?.squeeze(0)?.to_dtype(DType::F32)?;
-                let targets = ids.narrow(1, 1, n - 1)?.squeeze(0)?;
-                let loss = candle_nn::loss::cross_entropy(&logits, &targets)?;
+                let logits = logits.narrow(1, 0, len - 1)?.to_dtype(DType::F32)?.reshape((n * (len - 1), ()))?;
+                let targets = ids.narrow(1, 1, len - 1)?.flatten_all()?;
+                // Σ over sequences of each sequence's mean token loss, as with one sequence per pass.
+                let loss = (candle_nn::loss::cross_entropy(&logits, &targets)? * n as f64)?;
                 let grads = loss.backward()?;
                 for (name, var) in model.grad_vars() {
                     let g = grads.get(var.as_tensor()).ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;
@@ -230,11 +291,12 @@ impl Calibration {
                     self.grad_sum.insert(name.clone(), acc);
                 }
             }
-            self.sequences_done = i + 1;
-            self.tokens += seq.len();
-            pb.inc(1);
+            self.sequences_done += n;
+            self.tokens += n * len;
+            pb.inc(n as u64);
             if let Some((path, every)) = save {
-                if every > 0 && self.sequences_done.is_multiple_of(every) && self.sequences_done < seqs.len() {
+                let crossed = every > 0 && self.sequences_done / every > first / every;
+                if crossed && self.sequences_done < seqs.len() {
                     self.save(path, false)?;
                 }
             }

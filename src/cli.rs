@@ -127,6 +127,10 @@ pub struct CalibArgs {
     /// Also accumulate dL/dW for the key/query projections (needed by --method grad).
     #[arg(long)]
     pub grad: bool,
+    /// Sequences per forward pass. Default: 1 on the CPU; on a GPU as many as make 16384 tokens
+    /// (1 with --grad, whose backward keeps every layer's activations). Results do not depend on it.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
 }
 
 #[derive(Debug, Args)]

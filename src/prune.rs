@@ -2,7 +2,7 @@
 //! checkpoint, reload it, evaluate, report. Every check that can fail cheaply runs first.
 
 use crate::arch::{Family, LoadOptions, SliceRole, StateLayout};
-use crate::calib::{CalibSettings, Calibration};
+use crate::calib::{auto_batch, CalibSettings, Calibration};
 use crate::checkpoint::Checkpoint;
 use crate::cli::PruneArgs;
 use crate::data::{windows, TextSource};
@@ -188,7 +188,9 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
                 source: plan.calib.source.clone().unwrap_or_else(|| "builtin".into()),
             };
             let mut cal = Calibration::new(settings, &layout, hidden);
-            cal.run(m.model.as_ref(), &seqs, None, quiet)?;
+            let grad = plan.method == Method::Grad;
+            let batch = args.calib.batch_size.unwrap_or_else(|| auto_batch(m.model.device(), plan.calib.seqlen, grad));
+            cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
             Some(cal)
         }
         _ => None,

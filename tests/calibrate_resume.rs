@@ -1,5 +1,5 @@
 //! An interrupted calibration resumed from its partial file ends exactly where an uninterrupted
-//! run ends, and the CLI refuses to resume with other settings.
+//! run ends, batching sequences changes nothing, and the CLI refuses to resume with other settings.
 
 mod common;
 
@@ -21,17 +21,17 @@ fn resumed_calibration_equals_uninterrupted() {
     let settings = CalibSettings { nsamples: 4, seqlen: 128, seed: 3, rows: 300, grad: true, source: "wiki".into() };
 
     let mut whole = Calibration::new(settings.clone(), &layout, 256);
-    whole.run(model.as_ref(), &seqs, None, true).unwrap();
+    whole.run(model.as_ref(), &seqs, 1, None, true).unwrap();
 
     let tmp = tempfile::tempdir().unwrap();
     let partial = tmp.path().join("acts.partial.safetensors");
     let mut first = Calibration::new(settings, &layout, 256);
-    first.run(model.as_ref(), &seqs[..2], None, true).unwrap();
+    first.run(model.as_ref(), &seqs[..2], 1, None, true).unwrap();
     first.save(&partial, false).unwrap();
     let (mut resumed, complete) = Calibration::load(&partial, &layout).unwrap();
     assert!(!complete);
     assert_eq!(resumed.sequences_done, 2);
-    resumed.run(model.as_ref(), &seqs, None, true).unwrap();
+    resumed.run(model.as_ref(), &seqs, 1, None, true).unwrap();
 
     assert_eq!((resumed.sequences_done, resumed.tokens), (whole.sequences_done, whole.tokens));
     for (l, a) in &whole.collector.layers {
@@ -47,6 +47,25 @@ fn resumed_calibration_equals_uninterrupted() {
         let d = (g - &resumed.grad_sum[name]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         let m = g.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d <= 1e-5 * m, "{name}: gradients differ by {d}");
+    }
+
+    // Three sequences per forward pass (then one): the same rows are sampled, the same gradients
+    // summed, up to the rounding of batched matmuls.
+    let mut batched = Calibration::new(whole.settings.clone(), &layout, 256);
+    batched.run(model.as_ref(), &seqs, 3, None, true).unwrap();
+    assert_eq!((batched.sequences_done, batched.tokens), (whole.sequences_done, whole.tokens));
+    for (l, a) in &whole.collector.layers {
+        let b = &batched.collector.layers[l];
+        for (x, y) in [(&a.keys.rows, &b.keys.rows), (&a.queries.rows, &b.queries.rows)] {
+            assert_eq!(x.len(), y.len(), "layer {l}: number of rows");
+            let err = common::rel_err(y, x);
+            assert!(err < 1e-5, "layer {l}: batched rows differ by {err:.2e}");
+        }
+    }
+    for (name, g) in &whole.grad_sum {
+        let (a, b) = (g.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &batched.grad_sum[name]);
+        let err = common::rel_err(&b.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &a);
+        assert!(err < 1e-4, "{name}: batched gradients differ by {err:.2e}");
     }
 }
 
@@ -65,7 +84,7 @@ fn cli_resume_continues_and_refuses_other_settings() {
     let settings =
         CalibSettings { nsamples: 4, seqlen: 64, seed: 0, rows: 5000, grad: false, source: "builtin".into() };
     let mut cal = Calibration::new(settings, &layout, 256);
-    cal.run(model.as_ref(), &seqs[..2], None, true).unwrap();
+    cal.run(model.as_ref(), &seqs[..2], 1, None, true).unwrap();
     cal.save(&tmp.path().join("acts.partial.safetensors"), false).unwrap();
     let (m, o) = (dir.to_str().unwrap(), out.to_str().unwrap());
 

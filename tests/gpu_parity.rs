@@ -1,0 +1,124 @@
+//! The CUDA path against the CPU path on the shared reference models (needs a GPU and
+//! `--features cuda`; see docs/GPU.md for the command): float32 and bf16 logits, the
+//! key-projection gradients of the Grad selector, step-by-step decoding, and calibration rows.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver};
+use statecut::calib::{CalibSettings, Calibration};
+use statecut::checkpoint::Checkpoint;
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA device (these tests need a GPU)")
+}
+
+fn load(ckpt: &Checkpoint, device: &Device, dtype: DType, grad: bool) -> Box<dyn CausalLm> {
+    family_for(ckpt).unwrap().load(ckpt, &LoadOptions { dtype, device: device.clone(), grad }).unwrap()
+}
+
+fn grads(model: &dyn CausalLm, ids: &Tensor) -> Vec<Vec<f32>> {
+    let n = ids.dim(1).unwrap();
+    let (inp, tgt) = (ids.narrow(1, 0, n - 1).unwrap(), ids.narrow(1, 1, n - 1).unwrap());
+    let logits = model.forward(&inp, &mut NoObserver).unwrap().to_dtype(DType::F32).unwrap();
+    let logp = candle_nn::ops::log_softmax(&logits, candle_core::D::Minus1).unwrap();
+    let loss = logp.gather(&tgt.unsqueeze(2).unwrap(), 2).unwrap().sum_all().unwrap().neg().unwrap();
+    let store = loss.backward().unwrap();
+    model.grad_vars().iter().map(|(_, v)| flat(store.get(v.as_tensor()).unwrap())).collect()
+}
+
+fn check(name: &str) {
+    let Some(dir) = common::model_dir(name) else { return };
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let (cpu, gpu) = (Device::Cpu, gpu());
+    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
+    let reference = flat(&load(&ckpt, &cpu, DType::F32, false).forward(&ids, &mut NoObserver).unwrap());
+
+    let f32_model = load(&ckpt, &gpu, DType::F32, false);
+    let ids_gpu = ids.to_device(&gpu).unwrap();
+    let err = common::rel_err(&flat(&f32_model.forward(&ids_gpu, &mut NoObserver).unwrap()), &reference);
+    eprintln!("{name}: cuda f32 vs cpu f32 logits relative error {err:.3e}");
+    assert!(err < 1e-4, "{name}: cuda f32 logits differ from the CPU's by {err:.3e}");
+    let golden_err = common::rel_err(&reference, &flat(&golden["logits"]));
+    assert!(golden_err < 1e-3, "{name}: CPU reference drifted from the golden ({golden_err:.3e})");
+
+    let bf16 = load(&ckpt, &gpu, DType::BF16, false);
+    let err = common::rel_err(&flat(&bf16.forward(&ids_gpu, &mut NoObserver).unwrap()), &reference);
+    // The upstream library's own bf16 kernels set the scale of an acceptable bf16 error.
+    let upstream = common::rel_err(&flat(&golden["logits_bf16_kernel"]), &flat(&golden["logits"]));
+    eprintln!("{name}: cuda bf16 vs cpu f32 logits relative error {err:.3e} (upstream bf16 kernels: {upstream:.3e})");
+    assert!(err < 3.0 * upstream.max(1e-3), "{name}: cuda bf16 logits differ from float32 by {err:.3e}");
+
+    // Step-by-step decoding on the GPU reproduces the GPU's full forward.
+    let short = ids_gpu.narrow(1, 0, 24).unwrap();
+    let full = flat(&f32_model.forward(&short, &mut NoObserver).unwrap());
+    let mut cache = DecodeCache::default();
+    let mut parts = vec![f32_model.forward_cached(&short.narrow(1, 0, 20).unwrap(), &mut cache).unwrap()];
+    for t in 20..24 {
+        parts.push(f32_model.forward_cached(&short.narrow(1, t, 1).unwrap(), &mut cache).unwrap());
+    }
+    let err = common::rel_err(&flat(&Tensor::cat(&parts, 1).unwrap()), &full);
+    eprintln!("{name}: cuda decode vs full forward relative error {err:.3e}");
+    assert!(err < 1e-4, "{name}: cuda decode differs from the full forward by {err:.3e}");
+
+    // Gradients for the Grad selector: autograd through the chunked form on the GPU against
+    // the CPU kernel's backward.
+    let ids_g = ids.narrow(1, 0, 128).unwrap();
+    let g_cpu = grads(load(&ckpt, &cpu, DType::F32, true).as_ref(), &ids_g);
+    let g_gpu = grads(load(&ckpt, &gpu, DType::F32, true).as_ref(), &ids_g.to_device(&gpu).unwrap());
+    assert!(!g_cpu.is_empty() && g_cpu.len() == g_gpu.len());
+    for (i, (a, b)) in g_gpu.iter().zip(&g_cpu).enumerate() {
+        let err = common::rel_err(a, b);
+        assert!(err < 1e-3, "{name}: gradient {i} on cuda differs from the CPU's by {err:.3e}");
+    }
+    eprintln!("{name}: cuda gradients of {} projections match the CPU's", g_cpu.len());
+
+    // Calibration on the GPU (rows picked on the device, batched) samples what the CPU samples.
+    let family = family_for(&ckpt).unwrap();
+    let layout = family.layout(&ckpt).unwrap();
+    let seqs: Vec<Vec<u32>> = (0..3).map(|i| flat_ids(&ids.narrow(1, i * 30, 64).unwrap())).collect();
+    let settings = CalibSettings { nsamples: 3, seqlen: 64, seed: 1, rows: 200, grad: false, source: "golden".into() };
+    let calibrate = |model: &dyn CausalLm, batch: usize| {
+        let mut cal = Calibration::new(settings.clone(), &layout, 0);
+        cal.run(model, &seqs, batch, None, true).unwrap();
+        cal
+    };
+    let (on_cpu, on_gpu) =
+        (calibrate(load(&ckpt, &cpu, DType::F32, false).as_ref(), 1), calibrate(f32_model.as_ref(), 3));
+    for (l, a) in &on_cpu.collector.layers {
+        let b = &on_gpu.collector.layers[l];
+        let err = common::rel_err(&b.keys.rows, &a.keys.rows).max(common::rel_err(&b.queries.rows, &a.queries.rows));
+        assert!(err < 1e-4, "{name}: layer {l}: calibration rows on cuda differ by {err:.3e}");
+    }
+    eprintln!("{name}: cuda calibration rows match the CPU's");
+}
+
+fn flat_ids(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<u32>().unwrap()
+}
+
+#[test]
+fn delta_net_gpu_matches_cpu() {
+    check("delta_net");
+}
+
+#[test]
+fn gated_deltanet_gpu_matches_cpu() {
+    check("gated_deltanet");
+}
+
+#[test]
+fn mamba2_gpu_matches_cpu() {
+    check("mamba2");
+}
+
+#[test]
+fn qwen3_5_gpu_matches_cpu() {
+    check("qwen3_5");
+}
