@@ -39,6 +39,10 @@ The GDN variant keeps everything but the transition and the key/query feature ma
   S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T   (gated delta rule, per partition; e_p k for
   the routed ones, which leaves unselected partitions unchanged as k = 0 there).
 
+SSE-H hybrids put fla's softmax `Attention` (q/k/v/o_proj, rotary, GQA) in the layers that the
+config's `attn` dict lists (`{"layers": [...], "num_heads", "num_kv_heads", "qkv_bias",
+"window_size", "rope_theta"}`), as every fla model does.
+
 Three computations of the same layer, which must agree:
   mask:   (N+1)·H heads, sparse heads partition-major, q·e·read-mask, k·e·write-mask, v and g
           times the write mask, one GLA pass, outputs summed over the N+1 partitions;
@@ -64,6 +68,7 @@ Reading of fla's code (flash-linear-attention PR #882 files `fla/layers/sse.py`,
 Usage:
   sse_reference.py train --out DIR [--minutes 4] [--device cpu|cuda]   train, write goldens and reference.json
   sse_reference.py init --out DIR --linear-attn-type gdn               random tiny model + goldens (test fixture)
+  sse_reference.py init --out DIR --layers 3 --attn-layers 1            an SSE-H hybrid
   sse_reference.py golden --out DIR                                     rewrite goldens (and reference.json)
   sse_reference.py --eval DIR [--eval-file F] [--eval-windows 8] [--eval-seqlen 512]
 """
@@ -380,6 +385,62 @@ class SSE(nn.Module):
         return out, aux
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+class Attention(nn.Module):
+    """fla `fla/layers/attn.py` Attention (the softmax layers of SSE-H, placed by the config's
+    `attn` dict): head_dim = hidden / num_heads, GQA, optional per-head q/k RMSNorm, rotary
+    embedding of the whole head (rotate-half, float32 tables), causal softmax, optional sliding
+    window (flash-attn window_size=(w-1, 0))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        a = cfg["attn"]
+        D = cfg["hidden_size"]
+        self.H = a["num_heads"]
+        self.KV = a.get("num_kv_heads") or self.H
+        self.hd = D // self.H
+        bias = a.get("qkv_bias", False)
+        self.q_proj = nn.Linear(D, self.H * self.hd, bias=bias)
+        self.k_proj = nn.Linear(D, self.KV * self.hd, bias=bias)
+        self.v_proj = nn.Linear(D, self.KV * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.H * self.hd, D, bias=False)
+        self.qk_norm = a.get("qk_norm", False)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg["norm_eps"])
+            self.k_norm = RMSNorm(self.hd, cfg["norm_eps"])
+        self.theta = a.get("rope_theta", 10000.0)
+        self.window = a.get("window_size")
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.H, self.hd)
+        k = self.k_proj(x).reshape(B, T, self.KV, self.hd)
+        v = self.v_proj(x).reshape(B, T, self.KV, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32, device=x.device) / self.hd))
+        freqs = torch.outer(torch.arange(T, dtype=torch.float32, device=x.device), inv)
+        emb = torch.cat([freqs, freqs], -1)[None, :, None]
+        cos, sin = emb.cos(), emb.sin()
+        q = (q.float() * cos + rotate_half(q).float() * sin).to(x.dtype)
+        k = (k.float() * cos + rotate_half(k).float() * sin).to(x.dtype)
+        r = self.H // self.KV
+        k, v = k.repeat_interleave(r, 2), v.repeat_interleave(r, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        i = torch.arange(T, device=x.device)
+        allowed = i[None, :] <= i[:, None]
+        if self.window is not None:
+            allowed &= (i[:, None] - i[None, :]) < self.window
+        s = (q @ k.transpose(-1, -2)).float() * self.hd**-0.5
+        p = s.masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
+        o = (p @ v).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(o)
+
+
 class MLP(nn.Module):
     def __init__(self, D, inter):
         super().__init__()
@@ -400,12 +461,17 @@ class Block(nn.Module):
             inter = int(D * cfg["hidden_ratio"] * 2 / 3)
             inter = 256 * ((inter + 255) // 256)
         self.attn_norm = RMSNorm(D, cfg["norm_eps"])
-        self.attn = SSE(cfg, i)
+        attn = cfg.get("attn")
+        self.softmax = attn is not None and i in attn["layers"]
+        self.attn = Attention(cfg) if self.softmax else SSE(cfg, i)
         self.mlp_norm = RMSNorm(D, cfg["norm_eps"])
         self.mlp = MLP(D, inter)
 
     def forward(self, h, impl=None):
-        a, aux = self.attn(self.attn_norm(h), impl)
+        if self.softmax:
+            a, aux = self.attn(self.attn_norm(h)), 0.0
+        else:
+            a, aux = self.attn(self.attn_norm(h), impl)
         h = h + a
         return h + self.mlp(self.mlp_norm(h)), aux
 
@@ -423,8 +489,6 @@ class SSEForCausalLM(nn.Module):
         super().__init__()
         if cfg.get("linear_attn_type", "gla") not in ("gla", "gdn"):
             raise ValueError("linear_attn_type must be 'gla' or 'gdn'")
-        if cfg.get("attn") is not None:
-            raise ValueError("hybrid attention layers are not implemented here")
         self.cfg = cfg
         self.model = Inner(cfg)
         self.tied = cfg["tie_word_embeddings"]
@@ -589,6 +653,17 @@ def cmd_init(args):
     so that top-k routing is far from ties."""
     torch.manual_seed(args.seed)
     cfg = dict(CONFIG, **TINY, linear_attn_type=args.linear_attn_type)
+    cfg["num_hidden_layers"] = args.layers
+    if args.attn_layers:
+        # SSE-H: fla's attn dict; GQA with 4 query and 2 key/value heads
+        cfg["attn"] = {
+            "layers": [int(i) for i in args.attn_layers.split(",")],
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "qkv_bias": False,
+            "window_size": None,
+            "rope_theta": 10000.0,
+        }
     model = SSEForCausalLM(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -616,6 +691,8 @@ def router_margin(model, hidden):
     gaps = []
     with torch.no_grad():
         for blk, h in zip(model.model.layers, hidden):
+            if blk.softmax:
+                continue
             e = blk.attn.features(blk.attn_norm(h))[7]
             top = torch.topk(e, blk.attn.topk + 1, dim=-1).values
             gaps.append((top[..., -2] - top[..., -1]).min().item())
@@ -683,6 +760,8 @@ def main():
     ap.add_argument("--minutes", type=float, default=4.0, help="training time budget")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (training; goldens are always CPU float32)")
     ap.add_argument("--linear-attn-type", choices=["gla", "gdn"], default="gla", help="transition in every partition")
+    ap.add_argument("--layers", type=int, default=2, help="init: number of layers")
+    ap.add_argument("--attn-layers", help="init: comma-separated softmax attention layers (an SSE-H hybrid)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seqlen", type=int, default=128)

@@ -176,7 +176,7 @@ fn decode_matches_forward() {
         let conv = if short_conv { 2 * 2 * 3 * HEADS * DK } else { 0 };
         assert_eq!(cache.elems(), 2 * (2 * HEADS * (PARTS + 1) * DK * DV) + 2 * conv);
     }
-    for name in ["sse_gla", "sse_gdn"] {
+    for name in ["sse_gla", "sse_gdn", "sse_h"] {
         let dir = fixture_dir(name);
         let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
         let x = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
@@ -327,8 +327,9 @@ fn sliced_checkpoint_reloads(transition: &str) {
     assert_eq!(Checkpoint::open(&out).unwrap().config["head_dim"], keep.len());
 }
 
-/// A committed fixture: `sse_gla` (trained, with tokenizer and reference.json) or `sse_gdn`
-/// (random weights); both written by scripts/sse_reference.py with golden outputs.
+/// A committed fixture: `sse_gla` (trained, with tokenizer and reference.json), `sse_gdn` or
+/// `sse_h` (random weights; `sse_h` a hybrid with softmax attention layers); all written by
+/// scripts/sse_reference.py with golden outputs.
 fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
@@ -360,7 +361,7 @@ impl Observer for Hidden {
 /// each of the three forms.
 #[test]
 fn fixtures_match_reference_script() {
-    for name in ["sse_gla", "sse_gdn"] {
+    for name in ["sse_gla", "sse_gdn", "sse_h"] {
         check_golden(name);
     }
 }
@@ -627,4 +628,39 @@ fn fixture_eval_matches_reference_perplexity() {
     let got = serde_json::from_str::<Value>(&out).unwrap()["ppl"].as_f64().unwrap();
     eprintln!("sse_gla: ppl {got:.4} vs reference {want:.4} ({key})");
     assert!((got - want).abs() / want < 1e-3, "ppl {got} vs reference {want}");
+}
+
+/// SSE-H: the layout lists only the SSE layers, and pruning keeps the attention layers intact
+/// and the pruned hybrid's forms in agreement.
+#[test]
+fn hybrid_layout_and_prune() {
+    let dir = fixture_dir("sse_h");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let attn: Vec<usize> = serde_json::from_value(ckpt.config["attn"]["layers"].clone()).unwrap();
+    let layout = family_for(&ckpt).unwrap().layout(&ckpt).unwrap();
+    let linear: Vec<usize> = layout.layers.iter().map(|l| l.layer).collect();
+    let want: Vec<usize> = (0..cfg_usize(&dir, "num_hidden_layers")).filter(|i| !attn.contains(i)).collect();
+    assert_eq!(linear, want);
+    assert_eq!(layout.num_layers, cfg_usize(&dir, "num_hidden_layers"));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let (code, _, err) = common::statecut(
+        &["prune", "-m", dir.to_str().unwrap(), "--method", "l1", "--ratio", "0.5", "-o", out.to_str().unwrap(), "-q"],
+        &[],
+    );
+    assert_eq!(code, 0, "prune failed:\n{err}");
+    assert_eq!(cfg_usize(&out, "head_dim"), cfg_usize(&dir, "head_dim") / 2);
+    let pruned = Checkpoint::open(&out).unwrap();
+    for l in &attn {
+        let name = format!("model.layers.{l}.attn.q_proj.weight");
+        assert_eq!(pruned.info(&name).unwrap().shape, ckpt.info(&name).unwrap().shape, "{name}");
+    }
+    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
+    let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
+    let mask = logits(Implementation::Mask);
+    assert!(mask.iter().all(|x| x.is_finite()));
+    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
+    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
 }

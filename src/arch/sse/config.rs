@@ -76,6 +76,27 @@ pub struct SseConfig {
     pub attn: Option<Value>,
 }
 
+fn rope_theta() -> f64 {
+    10000.0
+}
+
+/// fla's `attn` dict: softmax attention layers of hybrid models (SSE-H).
+#[derive(Debug, Clone, Deserialize)]
+pub struct AttnConfig {
+    pub layers: Vec<usize>,
+    pub num_heads: usize,
+    #[serde(default)]
+    pub num_kv_heads: Option<usize>,
+    #[serde(default)]
+    pub qkv_bias: bool,
+    #[serde(default)]
+    pub qk_norm: bool,
+    #[serde(default)]
+    pub window_size: Option<usize>,
+    #[serde(default = "rope_theta")]
+    pub rope_theta: f64,
+}
+
 /// How the layer combines its N+1 partitions (all three compute the same function).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Implementation {
@@ -117,10 +138,36 @@ pub struct Dims {
 }
 
 impl SseConfig {
-    pub fn dims(&self) -> Result<Dims> {
-        if self.attn.as_ref().is_some_and(|a| !a.is_null()) {
-            bail!("hybrid SSE models (config `attn` set) are not supported yet");
+    /// The hybrid's attention layers, checked against the model's sizes.
+    pub fn attn_config(&self) -> Result<Option<AttnConfig>> {
+        let Some(v) = self.attn.as_ref().filter(|a| !a.is_null()) else { return Ok(None) };
+        let a: AttnConfig = serde_json::from_value(v.clone())
+            .map_err(|e| anyhow::anyhow!("config `attn` does not match fla's attention dict: {e}"))?;
+        let kv = a.num_kv_heads.unwrap_or(a.num_heads);
+        if a.num_heads == 0
+            || !self.hidden_size.is_multiple_of(a.num_heads)
+            || kv == 0
+            || !a.num_heads.is_multiple_of(kv)
+        {
+            bail!(
+                "attn: num_heads {} must divide hidden_size {} and be a multiple of num_kv_heads {kv}",
+                a.num_heads,
+                self.hidden_size
+            );
         }
+        if let Some(&l) = a.layers.iter().find(|&&l| l >= self.num_hidden_layers) {
+            bail!("attn: layer {l} is out of range (num_hidden_layers {})", self.num_hidden_layers);
+        }
+        Ok(Some(a))
+    }
+
+    /// Whether layer `i` is a softmax attention layer of a hybrid.
+    pub fn is_attention(&self, i: usize) -> bool {
+        self.attn_config().ok().flatten().is_some_and(|a| a.layers.contains(&i))
+    }
+
+    pub fn dims(&self) -> Result<Dims> {
+        self.attn_config()?;
         let transition = match self.linear_attn_type.as_str() {
             "gla" => Transition::Gla,
             "gdn" => Transition::Gdn,

@@ -1,5 +1,6 @@
 //! Sparse State Expansion (SSE, arXiv 2507.16577): `model_type: "sse"`, GLA and Gated DeltaNet
-//! transitions (`linear_attn_type` "gla", "gdn").
+//! transitions (`linear_attn_type` "gla", "gdn"), and SSE-H hybrids with softmax attention
+//! layers where the config's `attn` dict places them.
 //!
 //! Follows fla `fla/layers/sse.py` (`SSEGLA`, `SSEGDN`) and `fla/models/sse/`. Each layer keeps
 //! N routed state partitions plus one always-active shared partition, all [dk, dv] per head and
@@ -10,6 +11,7 @@
 //! shared path's short convs: pruning keeps the same index set in all of them, for every
 //! partition at once.
 
+mod attention;
 mod config;
 mod mixer;
 mod model;
@@ -20,7 +22,7 @@ use anyhow::{bail, Result};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-pub use config::{Dims, Implementation, SseConfig, Transition};
+pub use config::{AttnConfig, Dims, Implementation, SseConfig, Transition};
 pub use model::SseModel;
 
 pub struct SseFamily;
@@ -34,7 +36,8 @@ impl Family for SseFamily {
         let cfg: SseConfig = parse(ckpt, &ckpt.config)?;
         let d = cfg.dims()?;
         let mut layers = Vec::new();
-        for i in 0..cfg.num_hidden_layers {
+        // Hybrids (SSE-H) list only their SSE layers: attention layers keep no recurrent state.
+        for i in (0..cfg.num_hidden_layers).filter(|&i| !cfg.is_attention(i)) {
             let p = format!("model.layers.{i}.attn.");
             let slice =
                 |name: &str, role| RowSlice { tensor: format!("{p}{name}"), offset: 0, head_stride: d.dk, role };

@@ -1,5 +1,6 @@
 //! Candle forward of SSE causal LMs: fla's block stack around the SSE layers of `mixer`.
 
+use super::attention::Attention;
 use super::config::{Implementation, SseConfig};
 use super::mixer::Mixer;
 use crate::arch::{CausalLm, DecodeCache, LoadOptions, Observer};
@@ -10,9 +11,15 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Embedding, Linear};
 
+/// A block's token mixer: an SSE layer, or softmax attention in hybrids.
+enum Layer {
+    Sse(Box<Mixer>),
+    Attention(Attention),
+}
+
 struct Block {
     attn_norm: RmsNorm,
-    attn: Mixer,
+    attn: Layer,
     mlp_norm: RmsNorm,
     mlp: SwiGlu,
 }
@@ -33,6 +40,7 @@ impl SseModel {
     pub fn open(ckpt: &Checkpoint, opts: &LoadOptions, implementation: Option<Implementation>) -> Result<Self> {
         let cfg: SseConfig = crate::arch::parse(ckpt, &ckpt.config)?;
         let d = cfg.dims()?;
+        let attn = cfg.attn_config()?;
         let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
         let m = vb.pp("model");
         let embed_w = m.pp("embeddings").get((cfg.vocab_size, d.hidden), "weight")?;
@@ -42,8 +50,10 @@ impl SseModel {
             let l = m.pp(format!("layers.{i}"));
             blocks.push(Block {
                 attn_norm: RmsNorm::load(l.pp("attn_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
-                attn: Mixer::load(l.pp("attn"), &cfg, d, i, opts.grad, &mut vars)
-                    .with_context(|| format!("loading layer {i}"))?,
+                attn: match attn.as_ref().filter(|a| a.layers.contains(&i)) {
+                    Some(a) => Layer::Attention(Attention::load(l.pp("attn"), a, d.hidden, cfg.norm_eps)?),
+                    None => Layer::Sse(Box::new(Mixer::load(l.pp("attn"), &cfg, d, i, opts.grad, &mut vars)?)),
+                },
                 mlp_norm: RmsNorm::load(l.pp("mlp_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
                 mlp: SwiGlu::load(l.pp("mlp"), d.hidden, d.intermediate)?,
             });
@@ -75,7 +85,12 @@ impl CausalLm for SseModel {
         }
         for (i, blk) in self.blocks.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs, self.implementation, lc)?)?;
+            let x = blk.attn_norm.forward(&h)?;
+            let a = match &blk.attn {
+                Layer::Sse(m) => m.forward(&x, obs, self.implementation, lc)?,
+                Layer::Attention(at) => at.forward(&x, lc).with_context(|| format!("attention layer {i}"))?,
+            };
+            h = (&h + a)?;
             h = (&h + blk.mlp.forward(&blk.mlp_norm.forward(&h)?)?)?;
             if i + 1 < n {
                 obs.hidden(i + 1, &h)?;
