@@ -168,12 +168,14 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         );
         return Ok(());
     }
+    let mut clock = Clock::start();
     let need_model = calibrate_now || eval_src.is_some() || args.prune_partitions.is_some();
     let loaded = if need_model {
         Some(crate::commands::load(&args.model, calibrate_now && plan.method == Method::Grad, quiet)?)
     } else {
         None
     };
+    clock.lap("load");
     let calibration = match (saved, &loaded) {
         (Some(c), _) => Some(c),
         (None, Some(m)) if calibrate_now => {
@@ -195,7 +197,9 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         }
         _ => None,
     };
+    clock.lap("calibrate");
     let layers = select_all(&ckpt, &layout, &plan, k, calibration.as_ref(), quiet)?;
+    clock.lap("select");
     let keep: KeepSets =
         layers.iter().map(|l| (l.layer, l.heads.iter().map(|h| h.choice.kept.clone()).collect())).collect();
 
@@ -224,7 +228,9 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     if let Some(keep_parts) = &partitions {
         rows.extend(family.keep_partitions(&mut config, keep_parts)?);
     }
+    clock.lap("evaluate_before");
     let stats = write_checkpoint(&ckpt, &rows, &config, &staged.tmp)?;
+    clock.lap("write");
     let out_ckpt = Checkpoint::open(&staged.tmp)?;
     let out_layout = family.layout(&out_ckpt).context("the pruned config does not parse")?;
     if out_layout.dk != k || out_layout.layers.len() != layout.layers.len() {
@@ -259,6 +265,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         state_elems_after: out_layout.state_elems(k),
         params_before: ckpt.num_params(),
         params_after: stats.params,
+        seconds: clock.finish(),
         calibration: calibration.as_ref().map(|c| CalibrationInfo {
             source: c.settings.source.clone(),
             sequences: c.sequences_done,
@@ -346,5 +353,33 @@ fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
         eval: p.eval.clone(),
         eval_windows: Some(p.eval_windows),
         eval_seqlen: Some(p.eval_seqlen),
+    }
+}
+
+/// Wall-clock seconds per stage of a run, for the report.
+struct Clock {
+    start: std::time::Instant,
+    last: std::time::Instant,
+    laps: std::collections::BTreeMap<String, f64>,
+}
+
+impl Clock {
+    fn start() -> Self {
+        let now = std::time::Instant::now();
+        Self { start: now, last: now, laps: Default::default() }
+    }
+
+    fn lap(&mut self, stage: &str) {
+        let now = std::time::Instant::now();
+        self.laps.insert(stage.to_string(), (now - self.last).as_secs_f64());
+        self.last = now;
+    }
+
+    /// Stages so far, the rest since the last lap as "reload_evaluate", and the total.
+    fn finish(&mut self) -> std::collections::BTreeMap<String, f64> {
+        self.lap("reload_evaluate");
+        let mut laps = self.laps.clone();
+        laps.insert("total".into(), self.start.elapsed().as_secs_f64());
+        laps
     }
 }

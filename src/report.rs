@@ -57,6 +57,9 @@ pub struct PruneReport {
     pub params_after: usize,
     pub calibration: Option<CalibrationInfo>,
     pub ppl: Option<Perplexity>,
+    /// Wall-clock seconds per stage (load, calibrate, select, evaluate_before, write,
+    /// reload_evaluate) and in total, from the planning step on.
+    pub seconds: std::collections::BTreeMap<String, f64>,
     /// Heads whose strong-RRQR bounds hold / heads checked (DRRQR only).
     pub rrqr_bounds_hold: Option<(usize, usize)>,
     pub layers: Vec<LayerReport>,

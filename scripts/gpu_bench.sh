@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# GPU benchmarks and parity on one machine: statecut (built with --features cuda) against the
+# PyTorch + fla / transformers pipeline, on random-weight checkpoints of the real sizes.
+#
+#   scripts/gpu_bench.sh BUNDLE OUT STAGE...
+#
+# BUNDLE holds statecut.xz (release binary), gpu_parity.xz (the CUDA parity test binary),
+# whl/ (fla wheels), shared/ (reference models and data/calib/wiki.jsonl). Every stage writes its
+# log and JSON under OUT as it finishes. Stages:
+#   parity                the CUDA parity tests on the reference models present in BUNDLE/shared
+#   ceiling               bf16 matmul rate of the GPU (torch), the forward's roofline
+#   make:NAME             random checkpoint NAME (scripts/make_random_checkpoints.py)
+#   statecut:NAME         statecut prune --method drrqr --ratio 0.5 on 128 x 2048 tokens (stage times
+#                         in the report), peak GPU memory from nvidia-smi
+#   reference:NAME        scripts/reference_pipeline.py on the same tokens
+#   decode:NAME           decode ms/step, original vs statecut-pruned, with the library's kernels
+#   bench:NAME            statecut bench, original vs pruned (--compare)
+#   kernels:NAME          statecut eval throughput with the chunked vs the sequential recurrence
+set -u
+BUNDLE=$1; OUT=$2; shift 2
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+CK=/tmp/ck
+mkdir -p $CK
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$BUNDLE"/whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
+LIBS=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="$LIBS:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for b in statecut gpu_parity; do
+  [ -f "$BUNDLE/$b.xz" ] && xz -dc "$BUNDLE/$b.xz" > /tmp/$b && chmod +x /tmp/$b
+done
+SC=/tmp/statecut
+DATA=$BUNDLE/shared/data/calib/wiki.jsonl
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+
+# Peak GPU memory of a command (MiB used on the card, sampled every 100 ms, minus the idle level).
+peak() {
+  local log=$1; shift
+  local idle; idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > /tmp/mem.log &
+  local pid=$!
+  local t0; t0=$(date +%s.%N)
+  "$@" > "$log" 2>&1
+  local rc=$?
+  local t1; t1=$(date +%s.%N)
+  kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  local max; max=$(sort -n /tmp/mem.log | tail -1)
+  echo "{\"rc\": $rc, \"wall_s\": $(echo "$t1 - $t0" | bc), \"peak_mib\": $((max - idle)), \"idle_mib\": $idle}"
+}
+
+for stage in "$@"; do
+  name=${stage#*:}
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    parity)
+      STATECUT_TEST_DATA=$BUNDLE/shared /tmp/gpu_parity --test-threads 1 --nocapture > "$OUT/parity.log" 2>&1
+      echo "parity rc $?"; grep -E "relative error|match|test result|panicked" "$OUT/parity.log" ;;
+    ceiling)
+      python3 - > "$OUT/ceiling.json" <<'EOF'
+import json, torch, triton.testing as tt
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+ms = tt.do_bench(lambda: a @ b, warmup=200, rep=1000, return_mode="median")
+print(json.dumps({"bf16_matmul_tflops": 2 * 8192**3 / ms / 1e9}))
+EOF
+      cat "$OUT/ceiling.json" ;;
+    make:*)
+      python3 scripts/make_random_checkpoints.py $CK --models "$name" --tokenizer-from "$BUNDLE/shared/models/delta_net" \
+        > "$OUT/make_$name.log" 2>&1
+      tail -1 "$OUT/make_$name.log" ;;
+    statecut:*)
+      rm -rf $CK/$name-statecut
+      peak "$OUT/statecut_$name.log" $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" \
+        --nsamples 128 --seqlen 2048 --device cuda --dtype bf16 -o $CK/$name-statecut > "$OUT/statecut_$name.json"
+      cat "$OUT/statecut_$name.json"; tail -2 "$OUT/statecut_$name.log"
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps(r['seconds']))" \
+        $CK/$name-statecut/statecut_report.json > "$OUT/statecut_${name}_stages.json" && cat "$OUT/statecut_${name}_stages.json" ;;
+    reference:*)
+      rm -rf $CK/$name-reference
+      peak "$OUT/reference_$name.log" python3 scripts/reference_pipeline.py --model $CK/$name --data "$DATA" \
+        --out $CK/$name-reference --json "$OUT/reference_${name}_stages.json" > "$OUT/reference_$name.json"
+      cat "$OUT/reference_$name.json"; tail -2 "$OUT/reference_$name.log" ;;
+    decode:*)
+      python3 scripts/decode_bench.py --models $CK/$name $CK/$name-statecut --batch-sizes 1,16,64 \
+        --json "$OUT/decode_$name.json" > "$OUT/decode_$name.log" 2>&1
+      tail -6 "$OUT/decode_$name.log" ;;
+    bench:*)
+      $SC bench -m $CK/$name --compare $CK/$name-statecut --device cuda --dtype bf16 --prompt-len 512 \
+        --batch-sizes 1,16,64 --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.log"
+      echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
+    kernels:*)
+      for k in chunked sequential; do
+        peak "$OUT/kernels_${name}_$k.log" env STATECUT_RECURRENCE=$k $SC eval -m $CK/$name --device cuda --dtype bf16 \
+          --data "$DATA" --seqlen 2048 --windows 16 --batch-size 8 --json > "$OUT/kernels_${name}_$k.json"
+        cat "$OUT/kernels_${name}_$k.json"; tail -1 "$OUT/kernels_${name}_$k.log"
+      done ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done ($(date +%T))"

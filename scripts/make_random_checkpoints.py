@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Random-weight checkpoints with the real dimensions of the models users prune, saved by the
+upstream libraries themselves (fla for DeltaNet / Gated DeltaNet, transformers for Qwen3.5), in
+bf16. Speed depends on shapes, not on trained values; these are for benchmarks only.
+
+  delta_net_1p3b   fla-hub/delta_net-1.3B-100B: hidden 2048, 24 layers, 16 heads x 128, vocab 32000
+  gdn_1p3b         Gated DeltaNet 1.3B: hidden 2048, 24 layers, 8 heads x 256 (expand_v 1), vocab 32000
+  qwen3_5_9b       Qwen3.5-9B text model: hidden 4096, 32 layers (every 4th full attention,
+                   16 q / 4 kv heads x 256), linear attention 16 key heads x 128 and 32 value
+                   heads x 128, MLP 12288, vocab 248320
+
+The tokenizer files are copied from --tokenizer-from (a small trained model's tokenizer: its ids
+are valid in the larger vocabularies), so text-driven commands run unchanged.
+
+    python3 scripts/make_random_checkpoints.py OUT --models delta_net_1p3b --tokenizer-from DIR
+"""
+
+import argparse
+import os
+import shutil
+
+import torch
+
+
+def build(name):
+    if name == "delta_net_1p3b":
+        from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+
+        cfg = DeltaNetConfig(hidden_size=2048, num_hidden_layers=24, num_heads=16, expand_k=1, expand_v=1,
+                             vocab_size=32000, use_short_conv=True, conv_size=4, qk_activation="silu",
+                             qk_norm="l2", use_beta=True, use_gate=False, hidden_ratio=4,
+                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        return DeltaNetForCausalLM(cfg)
+    if name == "gdn_1p3b":
+        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+        cfg = GatedDeltaNetConfig(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1,
+                                  vocab_size=32000, use_short_conv=True, conv_size=4, use_gate=True,
+                                  hidden_ratio=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+        return GatedDeltaNetForCausalLM(cfg)
+    if name == "qwen3_5_9b":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        layers = 32
+        cfg = Qwen3_5TextConfig(
+            hidden_size=4096, num_hidden_layers=layers, intermediate_size=12288, vocab_size=248320,
+            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+            linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        )
+        return Qwen3_5ForCausalLM(cfg)
+    raise SystemExit(f"unknown model {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--models", default="delta_net_1p3b,gdn_1p3b,qwen3_5_9b")
+    ap.add_argument("--tokenizer-from", required=True)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for name in args.models.split(","):
+        with torch.device(args.device):
+            model = build(name).to(torch.bfloat16)
+        dst = os.path.join(args.out, name)
+        model.save_pretrained(dst, max_shard_size="5GB")
+        for f in os.listdir(args.tokenizer_from):
+            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                shutil.copy(os.path.join(args.tokenizer_from, f), dst)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{name}: {n / 1e9:.2f}B parameters -> {dst}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
