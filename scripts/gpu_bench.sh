@@ -17,8 +17,11 @@
 #   bench:NAME            statecut bench, original vs pruned (--compare)
 #   kernels:NAME          statecut eval throughput with the chunked vs the sequential recurrence
 set -u
-BUNDLE=$1; OUT=$2; shift 2
-mkdir -p "$OUT"
+BUNDLE=$1; DEST=$2; shift 2
+# Logs and JSON go to a work folder packed into DEST/results.tgz after every stage, so a run cut
+# short still returns what it finished.
+OUT=/tmp/gpu_bench_results
+mkdir -p "$OUT" "$DEST"
 export PYTHONUNBUFFERED=1
 CK=/tmp/ck
 mkdir -p $CK
@@ -45,7 +48,7 @@ peak() {
   local t1; t1=$(date +%s.%N)
   kill $pid 2>/dev/null; wait $pid 2>/dev/null
   local max; max=$(sort -n /tmp/mem.log | tail -1)
-  echo "{\"rc\": $rc, \"wall_s\": $(echo "$t1 - $t0" | bc), \"peak_mib\": $((max - idle)), \"idle_mib\": $idle}"
+  echo "{\"rc\": $rc, \"wall_s\": $(awk "BEGIN{print $t1 - $t0}"), \"peak_mib\": $((max - idle)), \"idle_mib\": $idle}"
 }
 
 for stage in "$@"; do
@@ -53,7 +56,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     parity)
-      STATECUT_TEST_DATA=$BUNDLE/shared /tmp/gpu_parity --test-threads 1 --nocapture > "$OUT/parity.log" 2>&1
+      STATECUT_TEST_DATA=$BUNDLE/shared /tmp/gpu_parity --test-threads 1 --nocapture ${PARITY_FILTER:-} > "$OUT/parity.log" 2>&1
       echo "parity rc $?"; grep -E "relative error|match|test result|panicked" "$OUT/parity.log" ;;
     ceiling)
       python3 - > "$OUT/ceiling.json" <<'EOF'
@@ -95,5 +98,6 @@ EOF
       done ;;
     *) echo "unknown stage $stage" ;;
   esac
+  tar -czf "$DEST/results.tgz" -C "$OUT" .
 done
 echo "=== done ($(date +%T))"

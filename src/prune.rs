@@ -11,6 +11,7 @@ use crate::report::{CalibrationInfo, HeadReport, LayerReport, Perplexity, PruneR
 use crate::select::{self, HeadChoice, Method, ScoreOn};
 use crate::surgery::{kept_rows, write_checkpoint, KeepSets, Staged};
 use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 /// A head's projection rows: one row-major [dk, D] block per query/key projection slice.
@@ -66,44 +67,51 @@ fn select_all(
             _ => None,
         };
         let lc = calib.map(|c| &c.collector.layers[&l.layer]);
-        let mut heads = Vec::new();
-        for (h, w) in weights.iter().enumerate() {
-            let acts = lc.map(|lc| (lc.keys.head(h, dk), lc.queries.head(h, dk)));
-            let m_qk = acts.as_ref().map(|(kk, qq)| select::drrqr_stack(&[kk, qq], dk));
-            let choice = match plan.method {
-                Method::L1 => scored(select::l1_scores(w, dk), k),
-                Method::Swanda => {
-                    let norms = lc.context("S-Wanda needs calibration")?.input_norms();
-                    scored(select::swanda_scores(w, dk, &norms), k)
-                }
-                Method::Grad => {
-                    scored(select::grad_scores(w, &grads.as_ref().context("Grad needs gradients")?[h], dk), k)
-                }
-                Method::Rand => scored(select::rand_scores(dk, plan.calib.seed, l.layer, h), k),
-                Method::Drrqr => {
-                    let (kk, qq) = acts.as_ref().context("DRRQR needs calibration activations")?;
-                    let rows = (kk.len() + qq.len()) / dk;
-                    if rows < dk {
-                        bail!(
-                            "layer {} head {h}: fewer calibration rows ({rows}) than key channels ({dk}): the activation matrix is rank-deficient; raise --rows or calibrate on more tokens",
-                            l.layer
-                        );
+        // Heads are independent: score them in parallel.
+        let heads = weights
+            .par_iter()
+            .enumerate()
+            .map(|(h, w)| -> Result<HeadReport> {
+                let acts = lc.map(|lc| (lc.keys.head(h, dk), lc.queries.head(h, dk)));
+                // Every activation statistic below depends on M only through MᵀM: work on R.
+                let m_qk = acts.as_ref().map(|(kk, qq)| select::reduce_rows(&select::drrqr_stack(&[kk, qq], dk)));
+                let choice = match plan.method {
+                    Method::L1 => scored(select::l1_scores(w, dk), k),
+                    Method::Swanda => {
+                        let norms = lc.context("S-Wanda needs calibration")?.input_norms();
+                        scored(select::swanda_scores(w, dk, &norms), k)
                     }
-                    let m = match plan.score_on {
-                        ScoreOn::Qk => m_qk.clone().unwrap(),
-                        ScoreOn::K => select::drrqr_stack(&[kk], dk),
-                        ScoreOn::Q => select::drrqr_stack(&[qq], dk),
-                    };
-                    select::drrqr(&m, k, plan.rrqr_f).with_context(|| format!("layer {} head {h}", l.layer))?
-                }
-            };
-            let (before, after) = match &m_qk {
-                Some(m) => (Some(select::column_stats(m, None)?), Some(select::column_stats(m, Some(&choice.kept))?)),
-                None => (None, None),
-            };
-            heads.push(HeadReport { head: h, choice, before, after });
-            pb.inc(1);
-        }
+                    Method::Grad => {
+                        scored(select::grad_scores(w, &grads.as_ref().context("Grad needs gradients")?[h], dk), k)
+                    }
+                    Method::Rand => scored(select::rand_scores(dk, plan.calib.seed, l.layer, h), k),
+                    Method::Drrqr => {
+                        let (kk, qq) = acts.as_ref().context("DRRQR needs calibration activations")?;
+                        let rows = (kk.len() + qq.len()) / dk;
+                        if rows < dk {
+                            bail!(
+                                "layer {} head {h}: fewer calibration rows ({rows}) than key channels ({dk}): the activation matrix is rank-deficient; raise --rows or calibrate on more tokens",
+                                l.layer
+                            );
+                        }
+                        let m = match plan.score_on {
+                            ScoreOn::Qk => m_qk.clone().unwrap(),
+                            ScoreOn::K => select::reduce_rows(&select::drrqr_stack(&[kk], dk)),
+                            ScoreOn::Q => select::reduce_rows(&select::drrqr_stack(&[qq], dk)),
+                        };
+                        select::drrqr(&m, k, plan.rrqr_f).with_context(|| format!("layer {} head {h}", l.layer))?
+                    }
+                };
+                let (before, after) = match &m_qk {
+                    Some(m) => {
+                        (Some(select::column_stats(m, None)?), Some(select::column_stats(m, Some(&choice.kept))?))
+                    }
+                    None => (None, None),
+                };
+                pb.inc(1);
+                Ok(HeadReport { head: h, choice, before, after })
+            })
+            .collect::<Result<Vec<_>>>()?;
         out.push(LayerReport { layer: l.layer, heads });
     }
     pb.finish_and_clear();

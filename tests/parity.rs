@@ -143,3 +143,23 @@ fn observers_see_the_layout() {
         assert_eq!(seen.0, want, "{name}");
     }
 }
+
+/// bf16 weights: statecut's forward (gates, β, norms and recurrence in float32) stays within 3x of
+/// the error the upstream library's own bf16 kernels make against the float32 golden.
+#[test]
+fn bf16_error_is_upstream_scale() {
+    for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
+        let Some(dir) = common::model_dir(name) else { return };
+        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let opts = LoadOptions { dtype: DType::BF16, ..LoadOptions::cpu_f32() };
+        let model = family_for(&ckpt).unwrap().load(&ckpt, &opts).unwrap();
+        let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
+        let logits = model.forward(&ids, &mut statecut::arch::NoObserver).unwrap();
+        let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
+        let upstream = common::rel_err(&flat(&golden["logits_bf16_kernel"]), &flat(&golden["logits"]));
+        eprintln!("{name}: bf16 logits relative error {err:.3e} (upstream bf16 kernels {upstream:.3e})");
+        assert!(err < 3.0 * upstream.max(1e-3), "{name}: bf16 error {err:.3e} vs upstream {upstream:.3e}");
+    }
+}

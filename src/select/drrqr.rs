@@ -58,6 +58,18 @@ pub fn stack(blocks: &[&[f32]], dk: usize) -> Mat<f64> {
     m
 }
 
+/// The n x n triangular factor R of a thin QR of a tall `m` (rows > n); `m` itself otherwise.
+///
+/// MᵀM = RᵀR, so R has M's singular values, every column subset of R has the subset of M's, and
+/// pivoted QR picks the same columns: every column-selection statistic is unchanged while each
+/// later factorisation works on n x n instead of rows x n (a 5000 x 128 head: 40x fewer rows).
+pub fn reduce_rows(m: &Mat<f64>) -> Mat<f64> {
+    if m.nrows() <= m.ncols() {
+        return m.clone();
+    }
+    m.qr().thin_R().to_owned()
+}
+
 /// σ_max, σ_min and κ of a set of activation columns (the paper's Table 6 quantities).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct ColumnStats {

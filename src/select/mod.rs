@@ -7,7 +7,7 @@
 mod drrqr;
 mod scores;
 
-pub use drrqr::{column_stats, drrqr, stack as drrqr_stack, ColumnStats, DrrqrInfo, ScoreOn};
+pub use drrqr::{column_stats, drrqr, reduce_rows, stack as drrqr_stack, ColumnStats, DrrqrInfo, ScoreOn};
 pub use scores::{grad_scores, l1_scores, rand_scores, swanda_scores, top_k};
 
 use anyhow::{bail, Result};

@@ -9,7 +9,7 @@ use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
 use anyhow::{Context, Result};
-use candle_core::{Device, Module, Tensor, Var};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
 
 /// A projection whose weight may be a variable (for gradients of the LM loss).
@@ -77,8 +77,8 @@ impl Mixer {
             v_proj: linear_no_bias(hid, vd, vb.pp("v_proj"))?,
             b_proj: if use_beta { Some(linear_no_bias(hid, d.v_heads, vb.pp("b_proj"))?) } else { None },
             a_proj: if gated { Some(linear_no_bias(hid, d.v_heads, vb.pp("a_proj"))?) } else { None },
-            neg_a: if gated { Some(vb.get(d.v_heads, "A_log")?.exp()?.neg()?) } else { None },
-            dt_bias: if gated { Some(vb.get(d.v_heads, "dt_bias")?) } else { None },
+            neg_a: if gated { Some(vb.get(d.v_heads, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?) } else { None },
+            dt_bias: if gated { Some(vb.get(d.v_heads, "dt_bias")?.to_dtype(DType::F32)?) } else { None },
             convs,
             g_proj: if d.use_gate { Some(linear_no_bias(hid, vd, vb.pp("g_proj"))?) } else { None },
             o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, cfg.norm_eps, NormWeight::Plain)?,
@@ -112,18 +112,21 @@ impl Mixer {
         let v = conv(2, self.v_proj.forward(x)?)?.reshape((b, t, d.v_heads, d.dv))?;
         obs.qk(self.layer, &q, &k)?;
         let beta = match &self.b_proj {
-            Some(p) => candle_nn::ops::sigmoid(&p.forward(x)?)?,
-            None => Tensor::ones((b, t, d.v_heads), x.dtype(), x.device())?,
+            Some(p) => candle_nn::ops::sigmoid(&p.forward(x)?.to_dtype(DType::F32)?)?,
+            None => Tensor::ones((b, t, d.v_heads), DType::F32, x.device())?,
         };
         let beta = if self.allow_neg_eigval { (beta * 2.0)? } else { beta };
-        // g = -exp(A_log) * softplus(a + dt_bias)   (fla naive_gdn_gate)
+        // g = -exp(A_log) * softplus(a + dt_bias)   (fla naive_gdn_gate), in float32 as fla's
+        // kernels compute gates, β and the L2 norms: bf16 gates compound over the sequence.
         let g = match (&self.a_proj, &self.neg_a, &self.dt_bias) {
-            (Some(a), Some(na), Some(dt)) => Some(softplus(&a.forward(x)?.broadcast_add(dt)?)?.broadcast_mul(na)?),
+            (Some(a), Some(na), Some(dt)) => {
+                Some(softplus(&a.forward(x)?.to_dtype(DType::F32)?.broadcast_add(dt)?)?.broadcast_mul(na)?)
+            }
             _ => None,
         };
         let r = d.v_heads / d.heads;
-        let q = repeat_heads(&l2_norm(&q, 1e-6)?, r)?;
-        let k = repeat_heads(&l2_norm(&k, 1e-6)?, r)?;
+        let q = repeat_heads(&l2_norm(&q.to_dtype(DType::F32)?, 1e-6)?, r)?;
+        let k = repeat_heads(&l2_norm(&k.to_dtype(DType::F32)?, 1e-6)?, r)?;
         let rec = Recurrence {
             q: &q,
             k: &k,

@@ -79,8 +79,8 @@ impl Mixer {
             layer,
             in_proj: projection(&vb, "in_proj", cfg.in_proj_dim(), cfg.hidden, cfg.bias, grad, vars)?,
             conv: ShortConv::load(vb.pp("conv1d"), cfg.conv_dim(), cfg.conv_kernel, cfg.conv_bias)?,
-            dt_bias: vb.get(h, "dt_bias")?,
-            neg_a: vb.get(h, "A_log")?.exp()?.neg()?,
+            dt_bias: vb.get(h, "dt_bias")?.to_dtype(candle_core::DType::F32)?,
+            neg_a: vb.get(h, "A_log")?.to_dtype(candle_core::DType::F32)?.exp()?.neg()?,
             d_skip,
             norm,
             out_proj: linear_b(cfg.d_inner, cfg.hidden, cfg.bias, vb.pp("out_proj"))?,
@@ -107,7 +107,8 @@ impl Mixer {
         let bm = xbc.narrow(2, i, gn)?.reshape((b, t, c.groups, c.state))?;
         let cm = xbc.narrow(2, i + gn, gn)?.reshape((b, t, c.groups, c.state))?;
         obs.qk(self.layer, &cm, &bm)?;
-        let mut dt = softplus(&dt.broadcast_add(&self.dt_bias)?)?;
+        // Δt and the decay in float32, as the upstream kernels compute them.
+        let mut dt = softplus(&dt.to_dtype(candle_core::DType::F32)?.broadcast_add(&self.dt_bias)?)?;
         let (lo, hi) = c.dt_limit;
         if lo > 0.0 || hi.is_finite() {
             dt = dt.clamp(lo, hi)?;

@@ -95,8 +95,8 @@ impl GatedDeltaNet {
             layer,
             in_proj,
             conv: ShortConv::load(vb.pp("conv1d"), d.conv_dim(), c.linear_conv_kernel_dim, false)?,
-            dt_bias: vb.get(d.hv, "dt_bias")?,
-            neg_a: vb.get(d.hv, "A_log")?.exp()?.neg()?,
+            dt_bias: vb.get(d.hv, "dt_bias")?.to_dtype(candle_core::DType::F32)?,
+            neg_a: vb.get(d.hv, "A_log")?.to_dtype(candle_core::DType::F32)?.exp()?.neg()?,
             // norm before gate with a plain weight (Qwen3NextRMSNormGated)
             norm: RmsNorm::load(vb.pp("norm"), d.dv, c.rms_norm_eps, NormWeight::Plain)?,
             out_proj: linear_no_bias(d.hv * d.dv, d.hidden, vb.pp("out_proj"))?,
@@ -143,11 +143,13 @@ impl GatedDeltaNet {
         let k = mixed.narrow(2, kd, kd)?.reshape((b, t, d.hk, d.dk))?;
         let v = mixed.narrow(2, 2 * kd, d.hv * d.dv)?.reshape((b, t, d.hv, d.dv))?;
         obs.qk(self.layer, &q, &k)?;
-        let beta = candle_nn::ops::sigmoid(&beta)?;
-        let g = softplus(&a.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
+        // Gates, β and the L2 norms in float32, as the upstream kernels compute them.
+        let f32 = candle_core::DType::F32;
+        let beta = candle_nn::ops::sigmoid(&beta.to_dtype(f32)?)?;
+        let g = softplus(&a.to_dtype(f32)?.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
         // value head j reads key head j / r (repeat_interleave)
-        let q = repeat_heads(&l2_norm(&q, 1e-6)?, d.r())?;
-        let k = repeat_heads(&l2_norm(&k, 1e-6)?, d.r())?;
+        let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, 1e-6)?, d.r())?;
+        let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, 1e-6)?, d.r())?;
         let rec = Recurrence {
             q: &q,
             k: &k,
