@@ -5,7 +5,8 @@
 #   scripts/gpu_bench.sh BUNDLE OUT STAGE...
 #
 # BUNDLE holds statecut.xz (release binary), gpu_parity.xz (the CUDA parity test binary),
-# whl/ (fla wheels), shared/ (reference models and data/calib/wiki.jsonl). Every stage writes its
+# whl/ (fla wheels), tokenizer/ (tokenizer files for the random checkpoints), shared/ (reference
+# models and data/calib/wiki.jsonl). Every stage writes its
 # log and JSON under OUT as it finishes. Stages:
 #   parity                the CUDA parity tests on the reference models present in BUNDLE/shared
 #   ceiling               bf16 matmul rate of the GPU (torch), the forward's roofline
@@ -67,7 +68,7 @@ print(json.dumps({"bf16_matmul_tflops": 2 * 8192**3 / ms / 1e9}))
 EOF
       cat "$OUT/ceiling.json" ;;
     make:*)
-      python3 scripts/make_random_checkpoints.py $CK --models "$name" --tokenizer-from "$BUNDLE/shared/models/delta_net" \
+      python3 scripts/make_random_checkpoints.py $CK --models "$name" --tokenizer-from "$BUNDLE/tokenizer" \
         > "$OUT/make_$name.log" 2>&1
       tail -1 "$OUT/make_$name.log" ;;
     statecut:*)
