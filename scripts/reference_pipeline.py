@@ -58,10 +58,11 @@ class Sampler:
         self.rows, self.prio = rows, prio
 
 
-def causal_conv_silu(x, weight):
-    """Depthwise causal conv (weight [C,1,K]) + SiLU over [B,T,C]."""
+def causal_conv_silu(x, weight, bias=None):
+    """Depthwise causal conv (weight [C,1,K], optional bias [C]) + SiLU over [B,T,C]."""
     k = weight.shape[-1]
-    y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), weight.to(x.dtype), groups=x.shape[-1])
+    b = None if bias is None else bias.to(x.dtype)
+    y = F.conv1d(F.pad(x.transpose(1, 2), (k - 1, 0)), weight.to(x.dtype), b, groups=x.shape[-1])
     return F.silu(y).transpose(1, 2)
 
 
@@ -90,11 +91,13 @@ def install_hooks(model, family, samplers, sq, kd):
             hooks.append(attn.in_proj_qkv.register_forward_hook(qkv))
         else:
             hooks.append(attn.q_proj.register_forward_pre_hook(pre))
-            for j, name in ((0, "k_conv1d"), (1, "q_conv1d")):
-                def conv(mod, args, out, i=i, j=j):
-                    samplers[i][j].offer(out[0] if isinstance(out, tuple) else out)
+            # fla may fuse the q/k/v convs into one kernel call that bypasses the conv modules,
+            # so the hooks sit on the projections and apply the layer's own conv + SiLU.
+            for j, proj, conv in ((0, "k_proj", "k_conv1d"), (1, "q_proj", "q_conv1d")):
+                def hook(mod, args, out, i=i, j=j, conv=getattr(attn, conv)):
+                    samplers[i][j].offer(causal_conv_silu(out, conv.weight, conv.bias))
 
-                hooks.append(getattr(attn, name).register_forward_hook(conv))
+                hooks.append(getattr(attn, proj).register_forward_hook(hook))
     return hooks
 
 
