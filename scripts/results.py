@@ -62,7 +62,7 @@ def main():
                  "--seqlen", a.seqlen, "--grad", "-o", acts, "-q"])
         base = json.loads(run([a.bin, "eval", "-m", mdir, "--data", evalf, "--json", "-q"]))
         refp = os.path.join(mdir, "reference.json")
-        ref = json.load(open(refp))["eval_wiki_ppl_bf16_512x64"] if os.path.exists(refp) else None
+        ref = json.load(open(refp)).get("eval_wiki_ppl_bf16_512x64") if os.path.exists(refp) else None
         rows.append((m, "none", "0", "-", base["ppl"], ref, None))
         for method in METHODS:
             for ratio in RATIOS:
