@@ -3,6 +3,7 @@
 //! Follows fla `fla/layers/{delta_net,gated_deltanet}.py` and `fla/models/*/modeling_*.py`.
 
 mod model;
+pub mod stack;
 
 use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
@@ -174,7 +175,7 @@ fn layout(ckpt: &Checkpoint, kind: Kind) -> Result<StateLayout> {
 
 fn load(ckpt: &Checkpoint, opts: &LoadOptions, kind: Kind) -> Result<Box<dyn CausalLm>> {
     let cfg: FlaConfig = parse(ckpt, &ckpt.config)?;
-    Ok(Box::new(FlaModel::load(ckpt, &cfg, cfg.dims(kind)?, opts)?))
+    Ok(Box::new(FlaModel::load_fla(ckpt, &cfg, cfg.dims(kind)?, opts)?))
 }
 
 pub struct DeltaNetFamily;

@@ -1,16 +1,16 @@
 //! Candle forward of fla DeltaNet / Gated DeltaNet causal LMs.
 
+use super::stack::{FlaStack, StackShape, TokenMixer};
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
+use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
-use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
-use anyhow::{Context, Result};
-use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
+use anyhow::Result;
+use candle_core::{DType, Module, Tensor, Var};
+use candle_nn::{linear_no_bias, Linear, VarBuilder};
 
 /// A projection whose weight may be a variable (for gradients of the LM loss).
 fn projection(
@@ -32,7 +32,8 @@ fn projection(
     Ok(lin)
 }
 
-struct Mixer {
+/// One DeltaNet / Gated DeltaNet layer (fla `DeltaNet` / `GatedDeltaNet`, under `attn`).
+pub struct Mixer {
     d: Dims,
     layer: usize,
     q_proj: Linear,
@@ -86,7 +87,9 @@ impl Mixer {
             allow_neg_eigval: cfg.allow_neg_eigval,
         })
     }
+}
 
+impl TokenMixer for Mixer {
     fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
@@ -147,82 +150,19 @@ impl Mixer {
     }
 }
 
-struct Block {
-    attn_norm: RmsNorm,
-    attn: Mixer,
-    mlp_norm: RmsNorm,
-    mlp: SwiGlu,
-}
-
 /// A DeltaNet or Gated DeltaNet causal LM.
-pub struct FlaModel {
-    embed: Embedding,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    vars: Vec<(String, Var)>,
-    device: Device,
-}
+pub type FlaModel = FlaStack<Mixer>;
 
-impl FlaModel {
-    pub fn load(ckpt: &Checkpoint, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> Result<Self> {
-        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
-        let m = vb.pp("model");
-        let embed_w = m.pp("embeddings").get((cfg.vocab_size, d.hidden), "weight")?;
-        let mut vars = Vec::new();
-        let mut blocks = Vec::new();
-        for i in 0..cfg.num_hidden_layers {
-            let l = m.pp(format!("layers.{i}"));
-            blocks.push(Block {
-                attn_norm: RmsNorm::load(l.pp("attn_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
-                attn: Mixer::load(l.pp("attn"), cfg, d, i, opts.grad, &mut vars)
-                    .with_context(|| format!("loading layer {i}"))?,
-                mlp_norm: RmsNorm::load(l.pp("mlp_norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
-                mlp: SwiGlu::load(l.pp("mlp"), d.hidden, d.intermediate)?,
-            });
-        }
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed_w.clone(), None)
-        } else {
-            linear_no_bias(d.hidden, cfg.vocab_size, vb.pp("lm_head"))?
+impl FlaStack<Mixer> {
+    pub fn load_fla(ckpt: &Checkpoint, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> Result<Self> {
+        let shape = StackShape {
+            vocab: cfg.vocab_size,
+            hidden: d.hidden,
+            intermediate: d.intermediate,
+            layers: cfg.num_hidden_layers,
+            norm_eps: cfg.norm_eps,
+            tie_word_embeddings: cfg.tie_word_embeddings,
         };
-        Ok(Self {
-            embed: Embedding::new(embed_w, d.hidden),
-            blocks,
-            norm: RmsNorm::load(m.pp("norm"), d.hidden, cfg.norm_eps, NormWeight::Plain)?,
-            lm_head,
-            vars,
-            device: opts.device.clone(),
-        })
-    }
-}
-
-impl CausalLm for FlaModel {
-    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
-        let mut h = self.embed.forward(ids)?;
-        obs.hidden(0, &h)?;
-        let n = self.blocks.len();
-        if let Some(c) = cache.as_deref_mut() {
-            c.begin(n, ids.dim(1)?);
-        }
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs, lc)?)?;
-            h = (&h + blk.mlp.forward(&blk.mlp_norm.forward(&h)?)?)?;
-            if i + 1 < n {
-                obs.hidden(i + 1, &h)?;
-            }
-        }
-        let h = self.norm.forward(&h)?;
-        obs.hidden(n, &h)?;
-        Ok(self.lm_head.forward(&h)?)
-    }
-
-    fn grad_vars(&self) -> &[(String, Var)] {
-        &self.vars
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
+        FlaStack::load(ckpt, &shape, opts, |vb, i, vars| Mixer::load(vb, cfg, d, i, opts.grad, vars))
     }
 }

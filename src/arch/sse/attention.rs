@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
 
-pub(super) struct Attention {
+pub struct Attention {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,

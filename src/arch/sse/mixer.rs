@@ -62,7 +62,7 @@ struct Features {
     sel_host: Vec<f32>,
 }
 
-pub(super) struct Mixer {
+pub struct Mixer {
     d: Dims,
     layer: usize,
     q_proj: Linear,
