@@ -5,6 +5,7 @@
 //! pruned checkpoint reloads in the family's own library. Everything else (calibration,
 //! selectors, surgery, reports) is written once against these descriptions.
 
+mod defaults;
 pub mod fla;
 pub mod mamba2;
 pub mod qwen3_5;

@@ -20,17 +20,8 @@ pub enum Kind {
     GatedDeltaNet,
 }
 
-fn yes() -> bool {
-    true
-}
-fn four() -> usize {
-    4
-}
 fn ratio() -> f64 {
     4.0
-}
-fn eps() -> f64 {
-    1e-6
 }
 fn l2() -> String {
     "l2".into()
@@ -56,13 +47,13 @@ pub struct FlaConfig {
     pub num_v_heads: Option<usize>,
     #[serde(default)]
     pub use_gate: Option<bool>,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::arch::defaults::yes")]
     pub use_short_conv: bool,
-    #[serde(default = "four")]
+    #[serde(default = "crate::arch::defaults::four")]
     pub conv_size: usize,
     #[serde(default)]
     pub conv_bias: bool,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::arch::defaults::yes")]
     pub use_beta: bool,
     #[serde(default)]
     pub allow_neg_eigval: bool,
@@ -74,7 +65,7 @@ pub struct FlaConfig {
     pub hidden_ratio: f64,
     #[serde(default)]
     pub intermediate_size: Option<usize>,
-    #[serde(default = "eps")]
+    #[serde(default = "crate::arch::defaults::eps")]
     pub norm_eps: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,

@@ -55,17 +55,8 @@ impl Variant {
     }
 }
 
-fn eps() -> f64 {
-    1e-6
-}
-fn four() -> usize {
-    4
-}
 fn one() -> usize {
     1
-}
-fn yes() -> bool {
-    true
 }
 
 /// The text-model fields statecut reads.
@@ -79,13 +70,13 @@ pub struct TextConfig {
     pub num_key_value_heads: usize,
     #[serde(default)]
     pub head_dim: Option<usize>,
-    #[serde(default = "eps")]
+    #[serde(default = "crate::arch::defaults::eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub attention_bias: bool,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::arch::defaults::yes")]
     pub attn_output_gate: bool,
-    #[serde(default = "four")]
+    #[serde(default = "crate::arch::defaults::four")]
     pub linear_conv_kernel_dim: usize,
     pub linear_key_head_dim: usize,
     pub linear_value_head_dim: usize,
@@ -93,7 +84,7 @@ pub struct TextConfig {
     pub linear_num_value_heads: usize,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
-    #[serde(default = "four")]
+    #[serde(default = "crate::arch::defaults::four")]
     pub full_attention_interval: usize,
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
@@ -116,7 +107,7 @@ pub struct TextConfig {
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::arch::defaults::yes")]
     pub norm_topk_prob: bool,
 }
 

@@ -4,14 +4,8 @@ use anyhow::{bail, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-fn yes() -> bool {
-    true
-}
 fn two() -> usize {
     2
-}
-fn four() -> usize {
-    4
 }
 fn six() -> usize {
     6
@@ -21,9 +15,6 @@ fn d256() -> usize {
 }
 fn one() -> f64 {
     1.0
-}
-fn eps() -> f64 {
-    1e-6
 }
 fn gla() -> String {
     "gla".into()
@@ -46,13 +37,13 @@ pub struct SseConfig {
     pub head_dim: usize,
     #[serde(default = "one")]
     pub expand_v: f64,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::arch::defaults::yes")]
     pub use_output_gate: bool,
     #[serde(default)]
     pub use_short_conv: bool,
-    #[serde(default = "four")]
+    #[serde(default = "crate::arch::defaults::four")]
     pub conv_size: usize,
-    #[serde(default = "four")]
+    #[serde(default = "crate::arch::defaults::four")]
     pub num_sparse_partition: usize,
     #[serde(default = "two")]
     pub num_writer: usize,
@@ -68,7 +59,7 @@ pub struct SseConfig {
     pub hidden_ratio: Option<f64>,
     #[serde(default)]
     pub intermediate_size: Option<usize>,
-    #[serde(default = "eps")]
+    #[serde(default = "crate::arch::defaults::eps")]
     pub norm_eps: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
