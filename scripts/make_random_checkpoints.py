@@ -8,6 +8,8 @@ bf16. Speed depends on shapes, not on trained values; these are for benchmarks o
   qwen3_5_9b       Qwen3.5-9B text model: hidden 4096, 32 layers (every 4th full attention,
                    16 q / 4 kv heads x 256), linear attention 16 key heads x 128 and 32 value
                    heads x 128, MLP 12288, vocab 248320
+  mamba2_7b        Mamba-2 at Mamba-Codestral-7B's shapes: hidden 4096, 64 layers, 128 heads x 64,
+                   8 groups, state 128, vocab 32768 (transformers' Mamba2ForCausalLM)
 
 The tokenizer files are copied from --tokenizer-from (a small trained model's tokenizer: its ids
 are valid in the larger vocabularies), so text-driven commands run unchanged.
@@ -16,42 +18,57 @@ are valid in the larger vocabularies), so text-driven commands run unchanged.
 """
 
 import argparse
+import json
 import os
 import shutil
 
 import torch
 
 
-def build(name):
+def build(name, overrides):
+    """The model NAME with config fields replaced by `overrides` (for small smoke tests)."""
     if name == "delta_net_1p3b":
-        from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+        from fla.models import DeltaNetConfig as Config, DeltaNetForCausalLM as Model
 
-        cfg = DeltaNetConfig(hidden_size=2048, num_hidden_layers=24, num_heads=16, expand_k=1, expand_v=1,
-                             vocab_size=32000, use_short_conv=True, conv_size=4, qk_activation="silu",
-                             qk_norm="l2", use_beta=True, use_gate=False, hidden_ratio=4,
-                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-        return DeltaNetForCausalLM(cfg)
-    if name == "gdn_1p3b":
-        from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+        kw = dict(hidden_size=2048, num_hidden_layers=24, num_heads=16, expand_k=1, expand_v=1,
+                  vocab_size=32000, use_short_conv=True, conv_size=4, qk_activation="silu",
+                  qk_norm="l2", use_beta=True, use_gate=False, hidden_ratio=4,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    elif name == "gdn_1p3b":
+        from fla.models import GatedDeltaNetConfig as Config, GatedDeltaNetForCausalLM as Model
 
-        cfg = GatedDeltaNetConfig(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1,
-                                  vocab_size=32000, use_short_conv=True, conv_size=4, use_gate=True,
-                                  hidden_ratio=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-        return GatedDeltaNetForCausalLM(cfg)
+        kw = dict(hidden_size=2048, num_hidden_layers=24, num_heads=8, head_dim=256, expand_v=1,
+                  vocab_size=32000, use_short_conv=True, conv_size=4, use_gate=True,
+                  hidden_ratio=4, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    elif name == "qwen3_5_9b":
+        from transformers import Qwen3_5ForCausalLM as Model, Qwen3_5TextConfig as Config
+
+        kw = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, vocab_size=248320,
+                  num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                  linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    elif name == "mamba2_7b":
+        from transformers import Mamba2Config as Config, Mamba2ForCausalLM as Model
+
+        kw = dict(hidden_size=4096, num_hidden_layers=64, state_size=128, n_groups=8, head_dim=64,
+                  num_heads=128, expand=2, conv_kernel=4, vocab_size=32768, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    else:
+        raise SystemExit(f"unknown model {name}")
+    kw.update(overrides)
     if name == "qwen3_5_9b":
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    return Model(Config(**kw))
 
-        layers = 32
-        cfg = Qwen3_5TextConfig(
-            hidden_size=4096, num_hidden_layers=layers, intermediate_size=12288, vocab_size=248320,
-            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-            linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=32,
-            linear_value_head_dim=128, linear_conv_kernel_dim=4,
-            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        )
-        return Qwen3_5ForCausalLM(cfg)
-    raise SystemExit(f"unknown model {name}")
+
+def parse_overrides(items):
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value) if value[:1] in "0123456789-[{tf\"" else value
+    return out
 
 
 def main():
@@ -60,11 +77,14 @@ def main():
     ap.add_argument("--models", default="delta_net_1p3b,gdn_1p3b,qwen3_5_9b")
     ap.add_argument("--tokenizer-from", required=True)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field (JSON value), e.g. for a small smoke test")
     args = ap.parse_args()
+    overrides = parse_overrides(args.set)
     torch.manual_seed(0)
     for name in args.models.split(","):
         with torch.device(args.device):
-            model = build(name).to(torch.bfloat16)
+            model = build(name, overrides).to(torch.bfloat16)
         dst = os.path.join(args.out, name)
         model.save_pretrained(dst, max_shard_size="5GB")
         for f in os.listdir(args.tokenizer_from):

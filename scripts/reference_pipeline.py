@@ -67,6 +67,8 @@ def causal_conv_silu(x, weight, bias=None):
 
 
 def layers_of(model, family):
+    if family == "mamba2":
+        return [(i, l.mixer) for i, l in enumerate(model.backbone.layers)]
     if family == "qwen3_5":
         return [(i, l.linear_attn) for i, l in enumerate(model.model.layers) if hasattr(l, "linear_attn")]
     return [(i, l.attn) for i, l in enumerate(model.model.layers)]
@@ -80,7 +82,21 @@ def install_hooks(model, family, samplers, sq, kd):
             s = x.pow(2).sum(dim=(0, 1))
             sq[i] = s if i not in sq else sq[i] + s
 
-        if family == "qwen3_5":
+        if family == "mamba2":
+            # in_proj = [z, xBC, dt] (after an optional MLP part); keys are B, queries C, per group.
+            hooks.append(attn.in_proj.register_forward_pre_hook(pre))
+
+            def bc(mod, args, out, i=i, attn=attn):
+                inner, gn = attn.intermediate_size, attn.n_groups * attn.ssm_state_size
+                d_mlp = (out.shape[-1] - 2 * inner - 2 * gn - attn.num_heads) // 2
+                lo = 2 * d_mlp + 2 * inner  # start of B inside in_proj's output
+                w, b = attn.conv1d.weight[inner : inner + 2 * gn], attn.conv1d.bias
+                y = causal_conv_silu(out[..., lo : lo + 2 * gn], w, None if b is None else b[inner : inner + 2 * gn])
+                samplers[i][0].offer(y[..., :gn])
+                samplers[i][1].offer(y[..., gn:])
+
+            hooks.append(attn.in_proj.register_forward_hook(bc))
+        elif family == "qwen3_5":
             hooks.append(attn.in_proj_qkv.register_forward_pre_hook(pre))
 
             def qkv(mod, args, out, i=i, attn=attn):
@@ -137,21 +153,26 @@ def main():
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--rrqr-f", type=float, default=1.5)
     ap.add_argument("--out", help="write the pruned checkpoint here")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
 
     t = {}
     t0 = time.perf_counter()
     cfg = json.load(open(os.path.join(args.model, "config.json")))
-    family = "qwen3_5" if cfg["model_type"].startswith("qwen3_5") else "fla"
+    family = {"mamba2": "mamba2"}.get(cfg["model_type"], "qwen3_5" if cfg["model_type"].startswith("qwen3_5") else "fla")
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if family == "fla":
         import fla  # noqa: F401  registers the fla models with transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda().eval()
-    torch.cuda.synchronize()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(dev).eval()
+    sync()
     t["load_s"] = time.perf_counter() - t0
-    if family == "qwen3_5":
+    if family == "mamba2":
+        kh, dk = cfg["n_groups"], cfg["state_size"]
+    elif family == "qwen3_5":
         kh, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
     elif cfg["model_type"] == "gated_deltanet":
         kh, dk = cfg["num_heads"], cfg["head_dim"]
@@ -165,22 +186,24 @@ def main():
     # Warm-up on one short batch: Triton compiles and autotunes its kernels on first use.
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(ids[:1, :256].cuda())
-    torch.cuda.synchronize()
+        model(ids[:1, :256].to(dev))
+    sync()
     t["warmup_s"] = time.perf_counter() - t0
 
     samplers = {i: (Sampler((args.rows + 1) // 2), Sampler(args.rows // 2)) for i, _ in layers_of(model, family)}
     sq = {}
     hooks = install_hooks(model, family, samplers, sq, kd)
-    torch.cuda.reset_peak_memory_stats()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with torch.no_grad():
         for b in range(0, ids.shape[0], args.batch_size):
-            model(ids[b : b + args.batch_size].cuda(), use_cache=False)
-    torch.cuda.synchronize()
+            model(ids[b : b + args.batch_size].to(dev), use_cache=False)
+    sync()
     t["calibrate_s"] = time.perf_counter() - t0
     t["calibrate_tok_per_s"] = ids.numel() / t["calibrate_s"]
-    t["peak_gpu_bytes_torch"] = torch.cuda.max_memory_allocated()
+    if dev.type == "cuda":
+        t["peak_gpu_bytes_torch"] = torch.cuda.max_memory_allocated()
     for h in hooks:
         h.remove()
 
@@ -206,8 +229,20 @@ def main():
         sd = model.state_dict()
         for i, attn in layers_of(model, family):
             rows = torch.cat([torch.as_tensor(idx) + h * dk for h, idx in enumerate(keep[i])])
-            pre = f"model.layers.{i}." + ("linear_attn." if family == "qwen3_5" else "attn.")
-            if family == "qwen3_5":
+            pre = {"mamba2": f"backbone.layers.{i}.mixer.", "qwen3_5": f"model.layers.{i}.linear_attn."}.get(
+                family, f"model.layers.{i}.attn.")
+            if family == "mamba2":
+                inner, gn = attn.intermediate_size, kd
+                w = sd[pre + "in_proj.weight"]
+                d_mlp = (w.shape[0] - 2 * inner - 2 * gn - attn.num_heads) // 2
+                lo = 2 * d_mlp + 2 * inner
+                keep_proj = torch.cat([torch.arange(lo), rows + lo, rows + lo + gn, torch.arange(lo + 2 * gn, w.shape[0])])
+                keep_conv = torch.cat([torch.arange(inner), rows + inner, rows + inner + gn])
+                sd[pre + "in_proj.weight"] = w[keep_proj].contiguous()
+                for n in ("conv1d.weight", "conv1d.bias"):
+                    if pre + n in sd:
+                        sd[pre + n] = sd[pre + n][keep_conv].contiguous()
+            elif family == "qwen3_5":
                 rows_qkv = torch.cat([rows, rows + kd, torch.arange(2 * kd, sd[pre + "in_proj_qkv.weight"].shape[0])])
                 for n in ("in_proj_qkv.weight", "conv1d.weight"):
                     sd[pre + n] = sd[pre + n][rows_qkv].contiguous()
@@ -215,7 +250,9 @@ def main():
                 for n in ("q_proj.weight", "k_proj.weight", "q_conv1d.weight", "k_conv1d.weight"):
                     sd[pre + n] = sd[pre + n][rows].contiguous()
         new = dict(cfg)
-        if family == "qwen3_5":
+        if family == "mamba2":
+            new["state_size"] = keep_k
+        elif family == "qwen3_5":
             new["linear_key_head_dim"] = keep_k
         elif cfg["model_type"] == "gated_deltanet":
             new["head_dim"] = keep_k
