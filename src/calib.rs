@@ -103,6 +103,8 @@ pub struct Collector {
     rngs: Vec<(StdRng, StdRng)>,
     /// Skip the first `skip` tokens of each sequence (warm-up of the state), as in the paper's plots.
     pub skip: usize,
+    /// Whether the forward must produce logits (only the Grad selector's loss needs them).
+    pub need_logits: bool,
 }
 
 fn streams(seed: u64) -> (StdRng, StdRng) {
@@ -128,7 +130,7 @@ impl Collector {
                 )
             })
             .collect();
-        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0 }
+        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0, need_logits: true }
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).
@@ -159,6 +161,10 @@ fn offer_rows(res: &mut Reservoir, x: &Tensor, skip: usize, rng: &mut StdRng) ->
 }
 
 impl Observer for Collector {
+    fn needs_logits(&self) -> bool {
+        self.need_logits
+    }
+
     fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
         let Some(l) = self.layers.get_mut(&layer) else { return Ok(()) };
         let d = x.dim(2)?;
@@ -264,6 +270,7 @@ impl Calibration {
     ) -> Result<()> {
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
+        self.collector.need_logits = self.settings.grad;
         while self.sequences_done < seqs.len() {
             let first = self.sequences_done;
             let len = seqs[first].len();

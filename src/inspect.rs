@@ -135,6 +135,9 @@ impl Observer for InspectObserver {
     fn wants_state(&self) -> bool {
         true
     }
+    fn needs_logits(&self) -> bool {
+        false
+    }
     fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
         self.collector.qk_input(layer, x)
     }

@@ -308,6 +308,9 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
 struct RoutingCounts(BTreeMap<usize, Vec<f64>>);
 
 impl crate::arch::Observer for RoutingCounts {
+    fn needs_logits(&self) -> bool {
+        false
+    }
     fn routing(&mut self, layer: usize, selected: &candle_core::Tensor) -> Result<()> {
         let n = selected.dim(2)?;
         let c = selected.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;

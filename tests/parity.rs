@@ -163,3 +163,29 @@ fn bf16_error_is_upstream_scale() {
         assert!(err < 3.0 * upstream.max(1e-3), "{name}: bf16 error {err:.3e} vs upstream {upstream:.3e}");
     }
 }
+
+/// An observer that needs no logits gets the final normed hidden state (the last entry of the
+/// golden hidden states), and the LM head is skipped.
+#[test]
+fn no_logits_returns_final_hidden_state() {
+    struct NoLogits;
+    impl Observer for NoLogits {
+        fn needs_logits(&self) -> bool {
+            false
+        }
+    }
+    for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
+        let Some(dir) = common::model_dir(name) else { return };
+        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
+        let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
+        let h = model.forward(&ids, &mut NoLogits).unwrap();
+        let gh = &golden["hidden_states"];
+        let last = gh.get(gh.dim(0).unwrap() - 1).unwrap();
+        assert_eq!(h.dims(), last.dims(), "{name}");
+        let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let err = common::rel_err(&flat(&h), &flat(&last));
+        assert!(err < 1e-3, "{name}: final hidden state off by {err:.3e}");
+    }
+}

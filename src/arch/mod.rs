@@ -84,6 +84,12 @@ pub trait Observer {
     fn wants_state(&self) -> bool {
         false
     }
+    /// Whether the caller uses the logits. When false, a forward may return the final (normed)
+    /// hidden state instead and skip the LM head: a [tokens, vocab] tensor that can outweigh a
+    /// layer's activations many times over (Qwen3.5's vocabulary is 248k).
+    fn needs_logits(&self) -> bool {
+        true
+    }
     /// Hidden states as transformers' `output_hidden_states` returns them: index 0 = embeddings,
     /// except for Mamba-2, whose index i is the residual after block i; the last index is the
     /// final norm's output in both cases.

@@ -100,6 +100,9 @@ impl<M: TokenMixer> CausalLm for FlaStack<M> {
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
+        if !obs.needs_logits() {
+            return Ok(h);
+        }
         Ok(self.lm_head.forward(&h)?)
     }
 

@@ -202,6 +202,9 @@ impl CausalLm for Mamba2Model {
         }
         let h = self.norm_f.forward(&h)?;
         obs.hidden(self.blocks.len(), &h)?;
+        if !obs.needs_logits() {
+            return Ok(h);
+        }
         Ok(self.lm_head.forward(&h)?)
     }
 

@@ -118,6 +118,9 @@ impl CausalLm for Qwen35Model {
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
+        if !obs.needs_logits() {
+            return Ok(h);
+        }
         Ok(self.lm_head.forward(&h)?)
     }
 
