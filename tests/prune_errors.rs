@@ -23,6 +23,12 @@ fn fails_cleanly(args: &[&str], expect: &str, out: &Path) {
     assert!(leftovers.is_empty(), "staging directory left behind");
 }
 
+/// `prune --ratio 0.5` from saved activations must fail with `expect`, writing nothing.
+fn prune_from_activations_fails(model: &Path, method: &str, acts: &Path, out: &Path, expect: &str) {
+    let (m, a, o) = (model.to_str().unwrap(), acts.to_str().unwrap(), out.to_str().unwrap());
+    fails_cleanly(&["prune", "-m", m, "--method", method, "--ratio", "0.5", "--activations", a, "-o", o], expect, out);
+}
+
 fn calibrate(model: &Path, out: &Path, extra: &[&str]) {
     let mut args = vec![
         "calibrate",
@@ -99,41 +105,9 @@ fn activations_from_another_model() {
     let acts = tmp.path().join("gdn.safetensors");
     calibrate(&gdn, &acts, &[]);
     let out = tmp.path().join("out");
-    fails_cleanly(
-        &[
-            "prune",
-            "-m",
-            dn.to_str().unwrap(),
-            "--method",
-            "drrqr",
-            "--ratio",
-            "0.5",
-            "--activations",
-            acts.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        "calibrated on another model",
-        &out,
-    );
+    prune_from_activations_fails(&dn, "drrqr", &acts, &out, "calibrated on another model");
     // Grad needs gradients in the file.
-    fails_cleanly(
-        &[
-            "prune",
-            "-m",
-            gdn.to_str().unwrap(),
-            "--method",
-            "grad",
-            "--ratio",
-            "0.5",
-            "--activations",
-            acts.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        "--grad",
-        &out,
-    );
+    prune_from_activations_fails(&gdn, "grad", &acts, &out, "--grad");
 }
 
 #[test]
@@ -143,23 +117,7 @@ fn too_few_rows_for_drrqr() {
     let acts = tmp.path().join("acts.safetensors");
     calibrate(&m, &acts, &["--rows", "40"]);
     let out = tmp.path().join("out");
-    fails_cleanly(
-        &[
-            "prune",
-            "-m",
-            m.to_str().unwrap(),
-            "--method",
-            "drrqr",
-            "--ratio",
-            "0.5",
-            "--activations",
-            acts.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        "fewer calibration rows",
-        &out,
-    );
+    prune_from_activations_fails(&m, "drrqr", &acts, &out, "fewer calibration rows");
 }
 
 #[test]
@@ -182,21 +140,5 @@ fn nan_activations() {
         .collect();
     safetensors::serialize_to_file(views, meta.metadata().clone(), &acts).unwrap();
     let out = tmp.path().join("out");
-    fails_cleanly(
-        &[
-            "prune",
-            "-m",
-            m.to_str().unwrap(),
-            "--method",
-            "drrqr",
-            "--ratio",
-            "0.5",
-            "--activations",
-            acts.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-        ],
-        "NaN",
-        &out,
-    );
+    prune_from_activations_fails(&m, "drrqr", &acts, &out, "NaN");
 }

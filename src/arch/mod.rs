@@ -266,6 +266,15 @@ pub fn model_type(config: &Value) -> Result<String> {
     bail!("config.json has no model_type")
 }
 
+/// The model's output from its final normed hidden state: the LM head's logits, or the hidden
+/// state itself when the observer needs no logits.
+pub(crate) fn logits(h: Tensor, lm_head: &Linear, obs: &dyn Observer) -> Result<Tensor> {
+    if !obs.needs_logits() {
+        return Ok(h);
+    }
+    Ok(candle_core::Module::forward(lm_head, &h)?)
+}
+
 /// A linear layer `name` under `vb`. With `grad` its weight is a variable, registered in `vars`
 /// under its checkpoint name, so that the LM loss can be differentiated with respect to it.
 pub(crate) fn projection(

@@ -2,7 +2,7 @@
 
 use super::stack::{FlaStack, StackShape, TokenMixer};
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{LayerCache, LoadOptions, Observer};
+use crate::arch::{projection, LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -11,26 +11,6 @@ use crate::ops::{repeat_heads, softplus};
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
-
-/// A projection whose weight may be a variable (for gradients of the LM loss).
-fn projection(
-    vb: &VarBuilder,
-    name: &str,
-    out: usize,
-    inp: usize,
-    grad: bool,
-    vars: &mut Vec<(String, Var)>,
-    full: &str,
-) -> Result<Linear> {
-    if !grad {
-        return Ok(linear_no_bias(inp, out, vb.pp(name))?);
-    }
-    let w = vb.pp(name).get((out, inp), "weight")?;
-    let var = Var::from_tensor(&w)?;
-    let lin = Linear::new(var.as_tensor().clone(), None);
-    vars.push((format!("{full}{name}.weight"), var));
-    Ok(lin)
-}
 
 /// One DeltaNet / Gated DeltaNet layer (fla `DeltaNet` / `GatedDeltaNet`, under `attn`).
 pub struct Mixer {
@@ -60,7 +40,6 @@ impl Mixer {
         grad: bool,
         vars: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
-        let full = format!("model.layers.{layer}.attn.");
         let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.v_heads * d.dv);
         let gated = d.kind == Kind::GatedDeltaNet;
         let convs = if cfg.use_short_conv {
@@ -73,8 +52,8 @@ impl Mixer {
         Ok(Self {
             d,
             layer,
-            q_proj: projection(&vb, "q_proj", kd, hid, grad, vars, &full)?,
-            k_proj: projection(&vb, "k_proj", kd, hid, grad, vars, &full)?,
+            q_proj: projection(&vb, "q_proj", kd, hid, false, grad, vars)?,
+            k_proj: projection(&vb, "k_proj", kd, hid, false, grad, vars)?,
             v_proj: linear_no_bias(hid, vd, vb.pp("v_proj"))?,
             b_proj: if use_beta { Some(linear_no_bias(hid, d.v_heads, vb.pp("b_proj"))?) } else { None },
             a_proj: if gated { Some(linear_no_bias(hid, d.v_heads, vb.pp("a_proj"))?) } else { None },

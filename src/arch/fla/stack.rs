@@ -100,10 +100,7 @@ impl<M: TokenMixer> CausalLm for FlaStack<M> {
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
-        if !obs.needs_logits() {
-            return Ok(h);
-        }
-        Ok(self.lm_head.forward(&h)?)
+        crate::arch::logits(h, &self.lm_head, obs)
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

@@ -202,10 +202,7 @@ impl CausalLm for Mamba2Model {
         }
         let h = self.norm_f.forward(&h)?;
         obs.hidden(self.blocks.len(), &h)?;
-        if !obs.needs_logits() {
-            return Ok(h);
-        }
-        Ok(self.lm_head.forward(&h)?)
+        crate::arch::logits(h, &self.lm_head, obs)
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

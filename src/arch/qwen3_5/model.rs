@@ -118,10 +118,7 @@ impl CausalLm for Qwen35Model {
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
-        if !obs.needs_logits() {
-            return Ok(h);
-        }
-        Ok(self.lm_head.forward(&h)?)
+        crate::arch::logits(h, &self.lm_head, obs)
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {
