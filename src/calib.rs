@@ -238,7 +238,7 @@ pub struct Calibration {
 
 /// Sequences per forward pass when the user gives none: one on the CPU (the kernels already use
 /// every core), 16384 tokens' worth on a GPU, and one when the backward must keep all layers.
-pub fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool) -> usize {
+fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool) -> usize {
     if device.is_cpu() || grad {
         1
     } else {
@@ -259,18 +259,20 @@ impl Calibration {
     }
 
     /// Run the remaining sequences through `model`, `batch` sequences of equal length per forward
-    /// pass, saving every `save_every` sequences. The sampled rows do not depend on `batch`.
+    /// pass (`None`: chosen for the device), saving every `save_every` sequences. The sampled rows
+    /// do not depend on the batch size.
     pub fn run(
         &mut self,
         model: &dyn crate::arch::CausalLm,
         seqs: &[Vec<u32>],
-        batch: usize,
+        batch: Option<usize>,
         save: Option<(&std::path::Path, usize)>,
         quiet: bool,
     ) -> Result<()> {
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
         self.collector.need_logits = self.settings.grad;
+        let batch = batch.unwrap_or_else(|| auto_batch(model.device(), self.settings.seqlen, self.settings.grad));
         while self.sequences_done < seqs.len() {
             let first = self.sequences_done;
             let len = seqs[first].len();

@@ -125,7 +125,7 @@ fn write_plots(dir: &std::path::Path, r: &crate::inspect::InspectReport) -> Resu
 }
 
 pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
-    use crate::calib::{auto_batch, CalibSettings, Calibration};
+    use crate::calib::{CalibSettings, Calibration};
     let c = crate::recipe::Calib::resolve(&args.calib, &crate::recipe::Recipe::default())?;
     let src = TextSource::parse(c.source.as_deref(), &c.text_column)?;
     let partial = args.output.with_extension("partial.safetensors");
@@ -165,8 +165,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         Calibration::new(settings, &m.layout, hidden)
     };
     let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
-    let batch = args.calib.batch_size.unwrap_or_else(|| auto_batch(m.model.device(), c.seqlen, args.calib.grad));
-    cal.run(m.model.as_ref(), &seqs, batch, Some((&partial, args.save_every)), quiet)?;
+    cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, Some((&partial, args.save_every)), quiet)?;
     cal.save(&args.output, true)?;
     if partial.exists() {
         std::fs::remove_file(&partial)?;

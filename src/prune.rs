@@ -2,7 +2,7 @@
 //! checkpoint, reload it, evaluate, report. Every check that can fail cheaply runs first.
 
 use crate::arch::{Family, LoadOptions, SliceRole, StateLayout};
-use crate::calib::{auto_batch, CalibSettings, Calibration};
+use crate::calib::{CalibSettings, Calibration};
 use crate::checkpoint::Checkpoint;
 use crate::cli::PruneArgs;
 use crate::data::{windows, TextSource};
@@ -198,9 +198,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
                 source: plan.calib.source.clone().unwrap_or_else(|| "builtin".into()),
             };
             let mut cal = Calibration::new(settings, &layout, hidden);
-            let grad = plan.method == Method::Grad;
-            let batch = args.calib.batch_size.unwrap_or_else(|| auto_batch(m.model.device(), plan.calib.seqlen, grad));
-            cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
+            cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, None, quiet)?;
             Some(cal)
         }
         _ => None,

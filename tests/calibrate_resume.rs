@@ -21,17 +21,17 @@ fn resumed_calibration_equals_uninterrupted() {
     let settings = CalibSettings { nsamples: 4, seqlen: 128, seed: 3, rows: 300, grad: true, source: "wiki".into() };
 
     let mut whole = Calibration::new(settings.clone(), &layout, 256);
-    whole.run(model.as_ref(), &seqs, 1, None, true).unwrap();
+    whole.run(model.as_ref(), &seqs, Some(1), None, true).unwrap();
 
     let tmp = tempfile::tempdir().unwrap();
     let partial = tmp.path().join("acts.partial.safetensors");
     let mut first = Calibration::new(settings, &layout, 256);
-    first.run(model.as_ref(), &seqs[..2], 1, None, true).unwrap();
+    first.run(model.as_ref(), &seqs[..2], Some(1), None, true).unwrap();
     first.save(&partial, false).unwrap();
     let (mut resumed, complete) = Calibration::load(&partial, &layout).unwrap();
     assert!(!complete);
     assert_eq!(resumed.sequences_done, 2);
-    resumed.run(model.as_ref(), &seqs, 1, None, true).unwrap();
+    resumed.run(model.as_ref(), &seqs, Some(1), None, true).unwrap();
 
     assert_eq!((resumed.sequences_done, resumed.tokens), (whole.sequences_done, whole.tokens));
     for (l, a) in &whole.collector.layers {
@@ -52,7 +52,7 @@ fn resumed_calibration_equals_uninterrupted() {
     // Three sequences per forward pass (then one): the same rows are sampled, the same gradients
     // summed, up to the rounding of batched matmuls.
     let mut batched = Calibration::new(whole.settings.clone(), &layout, 256);
-    batched.run(model.as_ref(), &seqs, 3, None, true).unwrap();
+    batched.run(model.as_ref(), &seqs, Some(3), None, true).unwrap();
     assert_eq!((batched.sequences_done, batched.tokens), (whole.sequences_done, whole.tokens));
     for (l, a) in &whole.collector.layers {
         let b = &batched.collector.layers[l];
@@ -84,7 +84,7 @@ fn cli_resume_continues_and_refuses_other_settings() {
     let settings =
         CalibSettings { nsamples: 4, seqlen: 64, seed: 0, rows: 5000, grad: false, source: "builtin".into() };
     let mut cal = Calibration::new(settings, &layout, 256);
-    cal.run(model.as_ref(), &seqs[..2], 1, None, true).unwrap();
+    cal.run(model.as_ref(), &seqs[..2], Some(1), None, true).unwrap();
     cal.save(&tmp.path().join("acts.partial.safetensors"), false).unwrap();
     let (m, o) = (dir.to_str().unwrap(), out.to_str().unwrap());
 

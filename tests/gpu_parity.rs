@@ -86,7 +86,7 @@ fn check(name: &str) {
     let settings = CalibSettings { nsamples: 3, seqlen: 64, seed: 1, rows: 200, grad: false, source: "golden".into() };
     let calibrate = |model: &dyn CausalLm, batch: usize| {
         let mut cal = Calibration::new(settings.clone(), &layout, 0);
-        cal.run(model, &seqs, batch, None, true).unwrap();
+        cal.run(model, &seqs, Some(batch), None, true).unwrap();
         cal
     };
     let (on_cpu, on_gpu) =
