@@ -16,7 +16,8 @@
 #   reference:NAME        scripts/reference_pipeline.py on the same tokens
 #   decode:NAME           decode ms/step, original vs statecut-pruned, with the library's kernels
 #   bench:NAME            statecut bench, original vs pruned (--compare)
-#   kernels:NAME          statecut eval throughput with the chunked vs the sequential recurrence
+#   kernels:NAME          statecut eval throughput with the fused kernel vs the chunked recurrence
+#   profile:NAME          where statecut's calibration pass spends its time (STATECUT_PROFILE=1)
 set -u
 BUNDLE=$1; DEST=$2; shift 2
 # Logs and JSON go to a work folder packed into DEST/results.tgz after every stage, so a run cut
@@ -92,11 +93,16 @@ EOF
         --batch-sizes 1,16,64 --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.log"
       echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
     kernels:*)
-      for k in chunked sequential; do
+      for k in ${KERNELS:-fused chunked}; do
         peak "$OUT/kernels_${name}_$k.log" env STATECUT_RECURRENCE=$k $SC eval -m $CK/$name --device cuda --dtype bf16 \
           --data "$DATA" --seqlen 2048 --windows 16 --batch-size 8 --json > "$OUT/kernels_${name}_$k.json"
         cat "$OUT/kernels_${name}_$k.json"; tail -1 "$OUT/kernels_${name}_$k.log"
       done ;;
+    profile:*)
+      rm -rf $CK/$name-profiled
+      STATECUT_PROFILE=1 $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 32 \
+        --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-profiled > "$OUT/profile_$name.log" 2>&1
+      echo "profile rc $?"; tail -16 "$OUT/profile_$name.log"; rm -rf $CK/$name-profiled ;;
     *) echo "unknown stage $stage" ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$OUT" .

@@ -9,17 +9,24 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::collections::BTreeMap;
 
 /// A uniform sample of at most `cap` rows of width `width` (Vitter's algorithm R).
+///
+/// Rows offered from a GPU stay there (`on_device`, [cap, width] in the activations' dtype)
+/// until [`Self::sync`] copies them into `rows`: only the final sample crosses to the host, not
+/// every row that is kept for a while.
 #[derive(Debug, Clone)]
 pub struct Reservoir {
     pub cap: usize,
     pub width: usize,
     pub seen: u64,
     pub rows: Vec<f32>,
+    /// Slots handed out by [`Self::plan`], which may run ahead of `rows` until [`Self::place`].
+    planned: usize,
+    on_device: Option<Tensor>,
 }
 
 impl Reservoir {
     pub fn new(cap: usize, width: usize) -> Self {
-        Self { cap, width, seen: 0, rows: Vec::new() }
+        Self { cap, width, seen: 0, rows: Vec::new(), planned: 0, on_device: None }
     }
 
     pub fn len(&self) -> usize {
@@ -32,9 +39,10 @@ impl Reservoir {
 
     /// Where each of `n` offered rows goes: (row, slot), slot == current length meaning append;
     /// rows not kept are absent. It depends only on counts and the RNG, never on the values, so
-    /// the kept rows can be picked on the device before anything is copied to the host.
+    /// the kept rows can be picked on the device before anything is copied to the host. Several
+    /// plans may be made before their rows are placed, as long as they are placed in order.
     pub fn plan(&mut self, n: usize, rng: &mut StdRng) -> Vec<(usize, usize)> {
-        let mut len = self.len();
+        let mut len = self.len().max(self.planned);
         let mut out = Vec::new();
         for r in 0..n {
             if len < self.cap {
@@ -48,6 +56,7 @@ impl Reservoir {
             }
             self.seen += 1;
         }
+        self.planned = len;
         out
     }
 
@@ -60,6 +69,43 @@ impl Reservoir {
                 self.rows[slot * self.width..(slot + 1) * self.width].copy_from_slice(row);
             }
         }
+    }
+
+    /// Store the rows a [`Self::plan`] kept, given in plan order as a [n, width] tensor on a GPU,
+    /// in the reservoir's device buffer (rows already on the host are moved there first).
+    fn place_on_device(&mut self, plan: &[(usize, usize)], rows: &Tensor) -> Result<()> {
+        let dev = rows.device();
+        if self.on_device.is_none() {
+            let buf = Tensor::zeros((self.cap, self.width), rows.dtype(), dev)?;
+            let have = self.len();
+            if have > 0 {
+                let host = Tensor::from_slice(&self.rows, (have, self.width), dev)?.to_dtype(rows.dtype())?;
+                buf.slice_set(&host, 0, 0)?;
+            }
+            self.on_device = Some(buf);
+        }
+        // A slot written twice keeps the later row, as in `place`; scatter order is undefined.
+        let mut last = vec![usize::MAX; self.cap];
+        for (i, (_, slot)) in plan.iter().enumerate() {
+            last[*slot] = i;
+        }
+        let (pos, slots): (Vec<u32>, Vec<u32>) =
+            last.iter().enumerate().filter(|(_, &i)| i != usize::MAX).map(|(s, &i)| (i as u32, s as u32)).unzip();
+        let m = pos.len();
+        let src = rows.index_select(&Tensor::from_vec(pos, m, dev)?, 0)?;
+        let idx = Tensor::from_vec(slots, (m, 1), dev)?.broadcast_as((m, self.width))?.contiguous()?;
+        let buf = self.on_device.as_ref().expect("allocated above");
+        buf.scatter_set(&idx, &src, 0)?;
+        Ok(())
+    }
+
+    /// Copy rows held on a GPU into `rows`.
+    pub fn sync(&mut self) -> Result<()> {
+        if let Some(buf) = &self.on_device {
+            let n = self.len().max(self.planned);
+            self.rows = host_f32(&buf.narrow(0, 0, n)?)?;
+        }
+        Ok(())
     }
 
     /// Offer every row of a row-major [n, width] buffer.
@@ -105,6 +151,9 @@ pub struct Collector {
     pub skip: usize,
     /// Whether the forward must produce logits (only the Grad selector's loss needs them).
     pub need_logits: bool,
+    /// Per layer: Σ x² of the inputs seen since the last [`Collector::flush`], on the device,
+    /// and their token count.
+    pending: BTreeMap<usize, (Tensor, u64)>,
 }
 
 fn streams(seed: u64) -> (StdRng, StdRng) {
@@ -130,7 +179,32 @@ impl Collector {
                 )
             })
             .collect();
-        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0, need_logits: true }
+        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0, need_logits: true, pending: BTreeMap::new() }
+    }
+
+    /// Copy the sampled rows held on a GPU to the host (`rows` of every reservoir); call before
+    /// reading or saving them.
+    pub fn sync_rows(&mut self) -> Result<()> {
+        for l in self.layers.values_mut() {
+            l.keys.sync()?;
+            l.queries.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Move the input sums accumulated on the device into [`LayerCalib::input_sq`]; call after
+    /// every forward pass.
+    pub fn flush(&mut self) -> Result<()> {
+        for (layer, (sq, n)) in std::mem::take(&mut self.pending) {
+            let l = self.layers.get_mut(&layer).expect("pending sums are only kept for collected layers");
+            let sq = sq.to_vec1::<f32>()?;
+            if l.input_sq.is_empty() {
+                l.input_sq = vec![0.0; sq.len()];
+            }
+            l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b as f64);
+            l.input_count += n;
+        }
+        Ok(())
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).
@@ -144,20 +218,54 @@ impl Collector {
     }
 }
 
-/// Offer the [T, W] rows of one sequence (minus the first `skip`) to `res`, copying only the
-/// rows it keeps off the device.
-fn offer_rows(res: &mut Reservoir, x: &Tensor, skip: usize, rng: &mut StdRng) -> Result<()> {
-    let t = x.dim(0)?;
+/// Offer the rows of every sequence of x [B, T, W] (minus the first `skip` of each) to `res`,
+/// sequence i drawing from `pick(rngs[i])` (all from `rngs[0]` when there is one stream: a
+/// batch without per-sequence seeds is sampled as one stream, in order), copying only the kept
+/// rows off the device, in one gather and one copy.
+fn offer_rows(
+    res: &mut Reservoir,
+    x: &Tensor,
+    skip: usize,
+    rngs: &mut [(StdRng, StdRng)],
+    pick: fn(&mut (StdRng, StdRng)) -> &mut StdRng,
+) -> Result<()> {
+    let (b, t, w) = x.dims3()?;
     let skip = if t > skip { skip } else { 0 };
-    let plan = res.plan(t - skip, rng);
-    if plan.is_empty() {
+    let mut plans = Vec::with_capacity(b);
+    let mut idx: Vec<u32> = Vec::new();
+    for i in 0..b {
+        let streams = if rngs.len() == b { &mut rngs[i] } else { &mut rngs[0] };
+        let plan = res.plan(t - skip, pick(streams));
+        idx.extend(plan.iter().map(|(r, _)| (i * t + r + skip) as u32));
+        plans.push(plan);
+    }
+    if idx.is_empty() {
         return Ok(());
     }
-    let idx: Vec<u32> = plan.iter().map(|(r, _)| (r + skip) as u32).collect();
-    let idx = Tensor::from_vec(idx, plan.len(), x.device())?;
-    let rows = x.index_select(&idx, 0)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    res.place(&plan, &rows);
+    let n = idx.len();
+    let idx = Tensor::from_vec(idx, n, x.device())?;
+    let picked = x.reshape((b * t, w))?.index_select(&idx, 0)?;
+    if !x.device().is_cpu() {
+        return res.place_on_device(&plans.concat(), &picked);
+    }
+    let rows = host_f32(&picked)?;
+    let mut at = 0;
+    for plan in &plans {
+        res.place(plan, &rows[at * w..(at + plan.len()) * w]);
+        at += plan.len();
+    }
     Ok(())
+}
+
+/// The values of `x` as float32 on the host, copied in x's own dtype (half the bytes for bf16
+/// activations) and widened on the host, which is exact.
+fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
+    let x = x.flatten_all()?;
+    Ok(match x.dtype() {
+        DType::BF16 => x.to_vec1::<half::bf16>()?.into_iter().map(f32::from).collect(),
+        DType::F16 => x.to_vec1::<half::f16>()?.into_iter().map(f32::from).collect(),
+        _ => x.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+    })
 }
 
 impl Observer for Collector {
@@ -166,16 +274,22 @@ impl Observer for Collector {
     }
 
     fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
-        let Some(l) = self.layers.get_mut(&layer) else { return Ok(()) };
+        if !self.layers.contains_key(&layer) {
+            return Ok(());
+        }
         let d = x.dim(2)?;
         let x = x.to_dtype(DType::F32)?;
         let n = x.elem_count() / d;
-        let sq = x.sqr()?.reshape((n, d))?.sum(0)?.to_vec1::<f32>()?;
-        if l.input_sq.is_empty() {
-            l.input_sq = vec![0.0; d];
-        }
-        l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b as f64);
-        l.input_count += n as u64;
+        // Σ over tokens as a [1, n] x [n, d] product: a column sum candle would do strided.
+        let ones = Tensor::ones((1, n), DType::F32, x.device())?;
+        let sq = ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?;
+        // Left on the device until `flush`, so the forward pass does not wait for the host.
+        let acc = match self.pending.remove(&layer) {
+            Some((a, c)) => ((a + sq)?, c + n as u64),
+            None => (sq, n as u64),
+        };
+        self.pending.insert(layer, acc);
+        crate::profile::mark("observer: input norms", x.device());
         Ok(())
     }
 
@@ -183,12 +297,9 @@ impl Observer for Collector {
         let skip = self.skip;
         let Some(l) = self.layers.get_mut(&layer) else { return Ok(()) };
         let (b, t, h, d) = k.dims4()?;
-        for i in 0..b {
-            // A batch without per-sequence seeds is sampled as one stream, in order.
-            let (rk, rq) = if self.rngs.len() == b { &mut self.rngs[i] } else { &mut self.rngs[0] };
-            offer_rows(&mut l.keys, &k.get(i)?.reshape((t, h * d))?, skip, rk)?;
-            offer_rows(&mut l.queries, &q.get(i)?.reshape((t, h * d))?, skip, rq)?;
-        }
+        offer_rows(&mut l.keys, &k.reshape((b, t, h * d))?, skip, &mut self.rngs, |s| &mut s.0)?;
+        offer_rows(&mut l.queries, &q.reshape((b, t, h * d))?, skip, &mut self.rngs, |s| &mut s.1)?;
+        crate::profile::mark("observer: sample rows", k.device());
         Ok(())
     }
 }
@@ -284,6 +395,7 @@ impl Calibration {
             let flat: Vec<u32> = seqs[first..first + n].iter().flatten().copied().collect();
             let ids = Tensor::from_vec(flat, (n, len), model.device())?;
             let logits = model.forward(&ids, &mut self.collector)?;
+            self.collector.flush()?;
             if self.settings.grad {
                 let logits = logits.narrow(1, 0, len - 1)?.to_dtype(DType::F32)?.reshape((n * (len - 1), ()))?;
                 let targets = ids.narrow(1, 1, len - 1)?.flatten_all()?;
@@ -306,11 +418,13 @@ impl Calibration {
             if let Some((path, every)) = save {
                 let crossed = every > 0 && self.sequences_done / every > first / every;
                 if crossed && self.sequences_done < seqs.len() {
+                    self.collector.sync_rows()?;
                     self.save(path, false)?;
                 }
             }
         }
         pb.finish_and_clear();
+        self.collector.sync_rows()?;
         self.check_finite()
     }
 
@@ -419,6 +533,33 @@ impl Calibration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The device-buffer path (run here on CPU tensors) keeps exactly the rows `place` keeps,
+    /// including slots replaced twice in one batch and rows that were on the host first.
+    #[test]
+    fn device_buffer_matches_host_placement() {
+        let width = 3;
+        let batch = |n: usize, at: usize| -> Vec<f32> { (0..n * width).map(|i| (at * width + i) as f32).collect() };
+        let (mut host, mut dev) = (Reservoir::new(7, width), Reservoir::new(7, width));
+        let (mut r1, mut r2) = (StdRng::seed_from_u64(4), StdRng::seed_from_u64(4));
+        // The first batch lands on the host in both, then the rest goes to the device buffer.
+        host.offer(&batch(5, 0), &mut r1);
+        dev.offer(&batch(5, 0), &mut r2);
+        for (i, n) in [4usize, 30, 2, 50].into_iter().enumerate() {
+            let data = batch(n, 100 * (i + 1));
+            let plan = host.plan(n, &mut r1);
+            let kept: Vec<f32> = plan.iter().flat_map(|(r, _)| data[r * width..(r + 1) * width].to_vec()).collect();
+            host.place(&plan, &kept);
+            let plan2 = dev.plan(n, &mut r2);
+            assert_eq!(plan, plan2);
+            let t = Tensor::from_vec(kept, (plan.len(), width), &candle_core::Device::Cpu).unwrap();
+            dev.place_on_device(&plan2, &t).unwrap();
+        }
+        assert!(host.plan(0, &mut r1).is_empty());
+        dev.sync().unwrap();
+        assert_eq!(host.rows, dev.rows);
+        assert_eq!(dev.len(), 7);
+    }
 
     #[test]
     fn reservoir_is_uniform_and_bounded() {

@@ -18,6 +18,7 @@ pub mod inspect;
 pub mod linalg;
 pub mod ops;
 pub mod plot;
+pub mod profile;
 pub mod progress;
 pub mod prune;
 pub mod recipe;

@@ -11,6 +11,9 @@ fn main() {
         Command::Prune(a) => statecut::prune::run(a, q),
         Command::Bench(a) => statecut::bench::run(a, q),
     };
+    if let Some(table) = statecut::profile::report() {
+        eprintln!("{table}");
+    }
     if let Err(e) = result {
         // One line: the context chain joined with ": " (candle appends backtraces on later lines).
         let msg = format!("{e:#}");

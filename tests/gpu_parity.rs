@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver};
 use statecut::calib::{CalibSettings, Calibration};
 use statecut::checkpoint::Checkpoint;
+use statecut::ops::delta_rule::Kernel;
 
 fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -42,9 +43,14 @@ fn check(name: &str) {
 
     let f32_model = load(&ckpt, &gpu, DType::F32, false);
     let ids_gpu = ids.to_device(&gpu).unwrap();
-    let err = common::rel_err(&flat(&f32_model.forward(&ids_gpu, &mut NoObserver).unwrap()), &reference);
-    eprintln!("{name}: cuda f32 vs cpu f32 logits relative error {err:.3e}");
-    assert!(err < 1e-4, "{name}: cuda f32 logits differ from the CPU's by {err:.3e}");
+    // Both GPU recurrences: the fused kernel (the default without gradients) and the chunked
+    // form (the default with them).
+    for kernel in [Kernel::Fused, Kernel::Chunked] {
+        let logits = Kernel::scoped(kernel, || f32_model.forward(&ids_gpu, &mut NoObserver)).unwrap();
+        let err = common::rel_err(&flat(&logits), &reference);
+        eprintln!("{name}: cuda f32 ({kernel:?}) vs cpu f32 logits relative error {err:.3e}");
+        assert!(err < 1e-4, "{name}: cuda f32 logits ({kernel:?}) differ from the CPU's by {err:.3e}");
+    }
     let golden_err = common::rel_err(&reference, &flat(&golden["logits"]));
     assert!(golden_err < 1e-3, "{name}: CPU reference drifted from the golden ({golden_err:.3e})");
 

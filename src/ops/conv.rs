@@ -1,6 +1,6 @@
 //! Depthwise causal short convolution (fla `ShortConvolution`, Mamba-2 and Qwen3.5 `conv1d`).
 
-use candle_core::{Result, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
 /// A depthwise causal conv over [B, T, C] with weight [C, 1, K] and an optional bias [C]:
 /// y_t[c] = Σ_i w[c, i] · x_{t-K+1+i}[c] (+ b[c]), zero history.
@@ -25,6 +25,34 @@ impl ShortConv {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward_cached(x, None)?.0)
+    }
+
+    /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no
+    /// gradient flows through it, this is one fused kernel instead of 2K + 2 candle ops.
+    pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        if x.device().is_cpu() || x.track_op() || self.weight.track_op() {
+            let (y, state) = self.forward_cached(x, prev)?;
+            return Ok((candle_nn::ops::silu(&y)?, state));
+        }
+        let k = self.weight.dim(1)?;
+        Ok(match prev {
+            Some(p) => {
+                let input = Tensor::cat(&[p, x], 1)?;
+                (self.fused(&input, 0, true)?, last_inputs(&input, k - 1)?)
+            }
+            None => (self.fused(x, k - 1, true)?, last_inputs(x, k - 1)?),
+        })
+    }
+
+    /// The [`FusedConv`] op: on the CPU it is the reference the CUDA kernel is tested against.
+    fn fused(&self, input: &Tensor, pad: usize, act: bool) -> Result<Tensor> {
+        let dtype = input.dtype();
+        let w = self.weight.to_dtype(dtype)?.contiguous()?;
+        let bias = match &self.bias {
+            Some(b) => b.to_dtype(dtype)?,
+            None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
+        };
+        input.contiguous()?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
     }
 
     /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
@@ -52,5 +80,139 @@ impl ShortConv {
         };
         let state = padded.narrow(1, padded.dim(1)? - (k - 1), k - 1)?;
         Ok((y, state))
+    }
+}
+
+/// The last `n` steps of x [B, T, C], zero-padded in front when T < n.
+fn last_inputs(x: &Tensor, n: usize) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    if t >= n {
+        x.narrow(1, t - n, n)
+    } else {
+        x.pad_with_zeros(1, n - t, 0)
+    }
+}
+
+/// Depthwise causal conv of x [B, L, C] with weight [C, K] and bias [C] (one dtype, float32
+/// accumulation), then SiLU when `act`: y[t] = Σ_i w[i] x[t + i − pad], zero outside [0, L).
+struct FusedConv {
+    pad: usize,
+    act: bool,
+}
+
+impl FusedConv {
+    fn cpu<T: WithDType>(&self, x: &[T], w: &[T], bias: &[T], (b, l, c, k): (usize, usize, usize, usize)) -> Vec<T> {
+        let t_out = l + self.pad + 1 - k;
+        let mut y = Vec::with_capacity(b * t_out * c);
+        for bi in 0..b {
+            for t in 0..t_out {
+                for ch in 0..c {
+                    let mut acc = bias[ch].to_f64() as f32;
+                    for i in 0..k {
+                        let s = (t + i) as isize - self.pad as isize;
+                        if s >= 0 && (s as usize) < l {
+                            acc += w[ch * k + i].to_f64() as f32 * x[(bi * l + s as usize) * c + ch].to_f64() as f32;
+                        }
+                    }
+                    if self.act {
+                        acc /= 1.0 + (-acc).exp();
+                    }
+                    y.push(T::from_f64(acc as f64));
+                }
+            }
+        }
+        y
+    }
+}
+
+impl CustomOp3 for FusedConv {
+    fn name(&self) -> &'static str {
+        "statecut-conv-silu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        bias: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, l, c) = xl.shape().dims3()?;
+        let k = wl.shape().dims2()?.1;
+        let slice = |lay: &Layout| {
+            lay.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("conv: input must be contiguous".into()))
+        };
+        let ((xs, xe), (ws, we), (bs, be)) = (slice(xl)?, slice(wl)?, slice(bl)?);
+        let dims = (b, l, c, k);
+        let out = match (x, w, bias) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(bb)) => {
+                CpuStorage::F32(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(bb)) => {
+                CpuStorage::BF16(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(bb)) => {
+                CpuStorage::F16(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+            }
+            _ => candle_core::bail!("conv: input, weight and bias must share one float dtype"),
+        };
+        Ok((out, Shape::from((b, l + self.pad + 1 - k, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        bias: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::conv(x, xl, w, wl, bias, bl, self.pad, self.act)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn ramp(shape: &[usize], seed: f32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The fused op (the CUDA kernel's CPU twin) against conv + SiLU in candle ops, fresh and
+    /// continuing from a history, with and without bias, short and long inputs.
+    #[test]
+    fn fused_matches_candle_ops() {
+        let (c, k) = (6, 4);
+        for bias in [false, true] {
+            let conv = ShortConv::new(ramp(&[c, 1, k], 1.0), bias.then(|| ramp(&[c], 2.0))).unwrap();
+            for t in [1, 2, 9] {
+                let x = ramp(&[2, t, c], 3.0 + t as f32);
+                let prev = ramp(&[2, k - 1, c], 5.0);
+                for p in [None, Some(&prev)] {
+                    let (y, st) = conv.forward_cached(&x, p).unwrap();
+                    let y = candle_nn::ops::silu(&y).unwrap();
+                    let (input, pad) = match p {
+                        Some(p) => (Tensor::cat(&[p, &x], 1).unwrap(), 0),
+                        None => (x.clone(), k - 1),
+                    };
+                    let fy = conv.fused(&input, pad, true).unwrap();
+                    let diff = (fy - &y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert!(diff < 1e-6, "t {t} bias {bias} prev {}: {diff}", p.is_some());
+                    let fst = last_inputs(&input, k - 1).unwrap();
+                    let d = (fst - st).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert_eq!(d, 0.0);
+                    let half = conv.fused(&input.to_dtype(DType::BF16).unwrap(), pad, true).unwrap();
+                    assert_eq!(half.dtype(), DType::BF16);
+                }
+            }
+        }
     }
 }

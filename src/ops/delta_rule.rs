@@ -12,7 +12,7 @@
 //! re-computing states from checkpoints every `CHUNK` steps), so candle autograd can take
 //! gradients through it for the Grad selector.
 
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 const CHUNK: usize = 64;
@@ -307,35 +307,105 @@ impl CustomOp1 for RecurrenceOp {
     }
 }
 
+/// The forward as one op over (packed inputs, initial state), output o [B,T,H,dv] followed by
+/// the final state [B,H,dk,dv], flat: [`forward_all`] on the CPU, one CUDA kernel on GPUs
+/// (`recurrence` in kernels.cu, the same sequential float32 math). Not differentiable.
+struct FusedOp(RecurrenceOp);
+
+impl CustomOp2 for FusedOp {
+    fn name(&self) -> &'static str {
+        "statecut-recurrence-fused"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, s0: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = self.0.dims(xl.shape())?;
+        let (Some((xs, xe)), Some((ss, se))) = (xl.contiguous_offsets(), sl.contiguous_offsets()) else {
+            candle_core::bail!("recurrence: inputs must be contiguous")
+        };
+        let (mut o, s) = forward_all(
+            &x.as_slice::<f32>()?[xs..xe],
+            d,
+            self.0.scale,
+            self.0.rule,
+            Some(&s0.as_slice::<f32>()?[ss..se]),
+        );
+        o.extend_from_slice(&s);
+        let n = o.len();
+        Ok((CpuStorage::F32(o), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        s0: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = self.0.dims(xl.shape())?;
+        let dims = super::cuda::RecurrenceDims {
+            b: d.b,
+            t: d.t,
+            h: d.h,
+            dk: d.dk,
+            dv: d.dv,
+            gk: d.gk,
+            delta: self.0.rule == Rule::Delta,
+            scale: self.0.scale,
+        };
+        super::cuda::recurrence(x, xl, s0, sl, &dims)
+    }
+}
+
 /// Which implementation computes a [`Recurrence`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
     /// This module's float32 CPU kernel (inputs on another device are copied to the host).
     Sequential,
-    /// [`super::chunked`]: batched matmuls on the inputs' own device.
+    /// [`super::chunked`]: batched matmuls on the inputs' own device, differentiable.
     Chunked,
+    /// The sequential float32 recurrence as one op on the inputs' own device (one CUDA kernel
+    /// on GPUs); not differentiable.
+    Fused,
 }
 
 impl Kernel {
-    /// Chunked on GPUs, where it keeps the work on the device; sequential on the CPU, where the
-    /// per-head loop is exact and at least as fast for the model sizes that run there.
-    /// `STATECUT_RECURRENCE=sequential|chunked` overrides the choice (for benchmarks and tests);
-    /// per-key-channel decay (GLA) always uses the sequential kernel.
+    /// On GPUs the fused kernel, or the chunked form when a gradient has to flow through the
+    /// recurrence (the Grad selector); the sequential kernel on the CPU, where the per-head loop
+    /// is exact and fast for the model sizes that run there.
+    /// `STATECUT_RECURRENCE=sequential|chunked|fused` overrides the choice (for benchmarks and
+    /// tests); per-key-channel decay (GLA) never takes the chunked form.
     pub fn choose(rec: &Recurrence) -> Kernel {
         static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
         let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
             Ok("chunked") => Some(Kernel::Chunked),
             Ok("sequential") => Some(Kernel::Sequential),
+            Ok("fused") => Some(Kernel::Fused),
             _ => None,
         });
-        if !super::chunked::supports(rec) {
-            return Kernel::Sequential;
-        }
-        FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() {
+        let tracked = [Some(rec.q), Some(rec.k), Some(rec.v), Some(rec.beta), rec.g, rec.gk, rec.initial]
+            .into_iter()
+            .flatten()
+            .any(Tensor::track_op);
+        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() {
             Kernel::Sequential
-        } else {
+        } else if tracked {
             Kernel::Chunked
-        })
+        } else {
+            Kernel::Fused
+        });
+        match choice {
+            Kernel::Chunked if !super::chunked::supports(rec) => Kernel::Sequential,
+            // The fused op has no backward: a tracked input needs one of the other two.
+            Kernel::Fused if tracked => {
+                if super::chunked::supports(rec) && !rec.q.device().is_cpu() {
+                    Kernel::Chunked
+                } else {
+                    Kernel::Sequential
+                }
+            }
+            k => k,
+        }
     }
 
     /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).
@@ -374,10 +444,15 @@ pub struct Recurrence<'a> {
 
 impl Recurrence<'_> {
     fn packed(&self) -> Result<Tensor> {
-        let f = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        self.packed_on(&Device::Cpu)
+    }
+
+    /// The [B, T, H, P] float32 packing of every input, on `dev`.
+    fn packed_on(&self, dev: &Device) -> Result<Tensor> {
+        let f = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32);
         let g = match self.g {
             Some(g) => f(g)?,
-            None => Tensor::zeros(self.beta.shape(), DType::F32, &Device::Cpu)?,
+            None => Tensor::zeros(self.beta.shape(), DType::F32, dev)?,
         };
         let mut parts = vec![f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?];
         if let Some(gk) = self.gk {
@@ -393,10 +468,29 @@ impl Recurrence<'_> {
 
     /// Outputs o [B, T, H, dv] (differentiable), on the input's device and dtype.
     pub fn forward(&self) -> Result<Tensor> {
-        if Kernel::choose(self) == Kernel::Chunked {
-            return super::chunked::forward(self)?.0.to_dtype(self.v.dtype());
+        match Kernel::choose(self) {
+            Kernel::Chunked => super::chunked::forward(self)?.0.to_dtype(self.v.dtype()),
+            Kernel::Fused => self.fused_with_state()?.0.to_dtype(self.v.dtype()),
+            Kernel::Sequential => self.forward_sequential(),
         }
-        self.forward_sequential()
+    }
+
+    /// Outputs o [B, T, H, dv] and the final state [B, H, dk, dv], both float32 on the inputs'
+    /// device, through [`FusedOp`].
+    pub fn fused_with_state(&self) -> Result<(Tensor, Tensor)> {
+        let dev = self.q.device();
+        let op = self.op()?;
+        let x = self.packed_on(dev)?;
+        let d = op.dims(x.shape())?;
+        let s0 = match self.initial {
+            Some(s) => s.to_dtype(DType::F32)?.contiguous()?,
+            None => Tensor::zeros((d.b, d.h, d.dk, d.dv), DType::F32, dev)?,
+        };
+        let out = x.apply_op2_no_bwd(&s0, &FusedOp(op))?;
+        let n = d.b * d.t * d.h * d.dv;
+        let o = out.narrow(0, 0, n)?.reshape((d.b, d.t, d.h, d.dv))?;
+        let s = out.narrow(0, n, d.b * d.h * d.dk * d.dv)?.reshape((d.b, d.h, d.dk, d.dv))?;
+        Ok((o, s))
     }
 
     /// [`Self::forward`] on the sequential kernel, whatever the device.
@@ -410,11 +504,12 @@ impl Recurrence<'_> {
 
     /// Outputs o [B, T, H, dv] and the final state S [B, H, dk, dv] (not differentiable).
     pub fn forward_with_state(&self) -> Result<(Tensor, Tensor)> {
-        if Kernel::choose(self) == Kernel::Chunked {
-            let (o, s) = super::chunked::forward(self)?;
-            return Ok((o.to_dtype(self.v.dtype())?, s));
-        }
-        self.sequential_with_state()
+        let (o, s) = match Kernel::choose(self) {
+            Kernel::Chunked => super::chunked::forward(self)?,
+            Kernel::Fused => self.fused_with_state()?,
+            Kernel::Sequential => return self.sequential_with_state(),
+        };
+        Ok((o.to_dtype(self.v.dtype())?, s))
     }
 
     /// [`Self::forward_with_state`] on the sequential kernel, whatever the device.
@@ -523,6 +618,28 @@ mod tests {
             assert!(max_abs_diff(&o, &o2) < 1e-4, "{rule:?} gk {with}: outputs differ");
             assert!(max_abs_diff(&s, &s2) < 1e-4, "{rule:?} gk {with}: states differ");
             assert!(max_abs_diff(&rec.forward().unwrap(), &o2) < 1e-4);
+        }
+    }
+
+    /// The fused op (whose CPU half is the reference for the CUDA kernel) gives the sequential
+    /// kernel's outputs and states, with and without an initial state and per-channel decay.
+    #[test]
+    fn fused_op_matches_sequential() {
+        let (q, k, v, beta, g, gk) = inputs(37);
+        let s0 = rand_tensor(&[2, 3, 5, 4], &mut StdRng::seed_from_u64(9), 1.0, 0.0);
+        for (rule, gk) in [(Rule::Delta, None), (Rule::Plain, None), (Rule::Delta, Some(&gk)), (Rule::Plain, Some(&gk))]
+        {
+            for init in [None, Some(&s0)] {
+                let rec =
+                    Recurrence { q: &q, k: &k, v: &v, beta: &beta, g: Some(&g), gk, scale: 0.7, rule, initial: init };
+                let (o, s) = rec.fused_with_state().unwrap();
+                let (o2, s2) = rec.sequential_with_state().unwrap();
+                let what = format!("{rule:?} gk {} init {}", gk.is_some(), init.is_some());
+                assert_eq!(max_abs_diff(&o, &o2), 0.0, "{what}");
+                assert_eq!(max_abs_diff(&s, &s2), 0.0, "{what}");
+                let forced = Kernel::scoped(Kernel::Fused, || rec.forward().unwrap());
+                assert_eq!(max_abs_diff(&forced, &o2), 0.0, "{what}");
+            }
         }
     }
 

@@ -2,6 +2,8 @@
 
 pub mod chunked;
 pub mod conv;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod delta_rule;
 pub mod mlp;
 pub mod norm;

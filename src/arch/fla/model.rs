@@ -8,6 +8,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
+use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
@@ -79,20 +80,25 @@ impl TokenMixer for Mixer {
         };
         let mut conv_states = Vec::new();
         let mut conv = |i: usize, y: Tensor| -> Result<Tensor> {
-            let y = match &self.convs {
+            Ok(match &self.convs {
                 Some(c) => {
-                    let (y, st) = c[i].forward_cached(&y, prev_conv.as_ref().map(|p| &p[i]))?;
+                    let (y, st) = c[i].forward_silu_cached(&y, prev_conv.as_ref().map(|p| &p[i]))?;
                     conv_states.push(st);
                     y
                 }
-                None => y,
-            };
-            Ok(candle_nn::ops::silu(&y)?)
+                None => candle_nn::ops::silu(&y)?,
+            })
         };
-        let q = conv(0, self.q_proj.forward(x)?)?.reshape((b, t, d.heads, d.dk))?;
-        let k = conv(1, self.k_proj.forward(x)?)?.reshape((b, t, d.heads, d.dk))?;
-        let v = conv(2, self.v_proj.forward(x)?)?.reshape((b, t, d.v_heads, d.dv))?;
+        let dev = x.device();
+        mark("observer", dev);
+        let (q, k, v) = (self.q_proj.forward(x)?, self.k_proj.forward(x)?, self.v_proj.forward(x)?);
+        mark("qkv projections", dev);
+        let q = conv(0, q)?.reshape((b, t, d.heads, d.dk))?;
+        let k = conv(1, k)?.reshape((b, t, d.heads, d.dk))?;
+        let v = conv(2, v)?.reshape((b, t, d.v_heads, d.dv))?;
+        mark("short conv + silu", dev);
         obs.qk(self.layer, &q, &k)?;
+        mark("observer", dev);
         let beta = match &self.b_proj {
             Some(p) => candle_nn::ops::sigmoid(&p.forward(x)?.to_dtype(DType::F32)?)?,
             None => Tensor::ones((b, t, d.v_heads), DType::F32, x.device())?,
@@ -109,6 +115,7 @@ impl TokenMixer for Mixer {
         let r = d.v_heads / d.heads;
         let q = repeat_heads(&l2_norm(&q.to_dtype(DType::F32)?, 1e-6)?, r)?;
         let k = repeat_heads(&l2_norm(&k.to_dtype(DType::F32)?, 1e-6)?, r)?;
+        mark("gates + l2 norms", dev);
         let rec = Recurrence {
             q: &q,
             k: &k,
@@ -121,6 +128,7 @@ impl TokenMixer for Mixer {
             initial: prev_state.as_ref(),
         };
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_states)?;
+        mark("recurrence", dev);
         let o = match &self.g_proj {
             Some(gp) => self.o_norm.forward_gated(&o, &gp.forward(x)?.reshape((b, t, d.v_heads, d.dv))?)?,
             None => self.o_norm.forward(&o)?,

@@ -6,6 +6,7 @@ use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
+use crate::profile::mark;
 use anyhow::{Context, Result};
 use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
@@ -84,23 +85,35 @@ impl<M: TokenMixer> FlaStack<M> {
 
 impl<M: TokenMixer> CausalLm for FlaStack<M> {
     fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
+        let dev = &self.device;
+        mark("outside forward", dev);
         let mut h = self.embed.forward(ids)?;
         obs.hidden(0, &h)?;
+        mark("embed", dev);
         let n = self.blocks.len();
         if let Some(c) = cache.as_deref_mut() {
             c.begin(n, ids.dim(1)?);
         }
         for (i, blk) in self.blocks.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            h = (&h + blk.attn.forward(&blk.attn_norm.forward(&h)?, obs, lc).with_context(|| format!("layer {i}"))?)?;
-            h = (&h + blk.mlp.forward(&blk.mlp_norm.forward(&h)?)?)?;
+            let x = blk.attn_norm.forward(&h)?;
+            mark("norm", dev);
+            h = (&h + blk.attn.forward(&x, obs, lc).with_context(|| format!("layer {i}"))?)?;
+            mark("mixer output", dev);
+            let x = blk.mlp_norm.forward(&h)?;
+            mark("norm", dev);
+            h = (&h + blk.mlp.forward(&x)?)?;
+            mark("mlp", dev);
             if i + 1 < n {
                 obs.hidden(i + 1, &h)?;
+                mark("observer", dev);
             }
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
-        crate::arch::logits(h, &self.lm_head, obs)
+        let out = crate::arch::logits(h, &self.lm_head, obs);
+        mark("head", dev);
+        out
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

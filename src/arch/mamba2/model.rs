@@ -8,6 +8,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
+use crate::profile::mark;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::{linear_b, Embedding, Linear, VarBuilder};
@@ -97,16 +98,20 @@ impl Mixer {
         let (i, gn, h, p) = (c.d_inner, c.groups * c.state, c.heads, c.head_dim);
         obs.qk_input(self.layer, x)?;
         // in_proj rows: [z | x | B | C | dt]
+        let dev = x.device();
+        mark("observer", dev);
         let proj = self.in_proj.forward(x)?;
+        mark("qkv projections", dev);
         let z = proj.narrow(2, 0, i)?;
-        let (xbc, conv_state) = self.conv.forward_cached(&proj.narrow(2, i, c.conv_dim())?, prev_conv.as_ref())?;
-        let xbc = candle_nn::ops::silu(&xbc)?;
+        let (xbc, conv_state) = self.conv.forward_silu_cached(&proj.narrow(2, i, c.conv_dim())?, prev_conv.as_ref())?;
+        mark("short conv + silu", dev);
         let dt = proj.narrow(2, i + c.conv_dim(), h)?;
         let xs = xbc.narrow(2, 0, i)?.reshape((b, t, h, p))?;
         // B and C are group-major: group g owns channels g·N .. g·N+N-1
         let bm = xbc.narrow(2, i, gn)?.reshape((b, t, c.groups, c.state))?;
         let cm = xbc.narrow(2, i + gn, gn)?.reshape((b, t, c.groups, c.state))?;
         obs.qk(self.layer, &cm, &bm)?;
+        mark("observer", dev);
         // Δt and the decay in float32, as the upstream kernels compute them.
         let mut dt = softplus(&dt.to_dtype(candle_core::DType::F32)?.broadcast_add(&self.dt_bias)?)?;
         let (lo, hi) = c.dt_limit;
@@ -128,7 +133,9 @@ impl Mixer {
             rule: Rule::Plain,
             initial: prev_state.as_ref(),
         };
+        mark("gates + l2 norms", dev);
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, vec![conv_state])?;
+        mark("recurrence", dev);
         let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
         let y = match &self.norm {
             Some(n) => n.forward(&y, &z)?,
@@ -191,18 +198,27 @@ impl CausalLm for Mamba2Model {
     fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
         // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
         // after block i (the last block's too), then the final norm's output.
+        let dev = &self.device;
+        mark("outside forward", dev);
         let mut h = self.embed.forward(ids)?;
         if let Some(c) = cache.as_deref_mut() {
             c.begin(self.blocks.len(), ids.dim(1)?);
         }
+        mark("embed", dev);
         for (i, blk) in self.blocks.iter().enumerate() {
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            h = (&h + blk.mixer.forward(&blk.norm.forward(&h)?, obs, lc)?)?;
+            let x = blk.norm.forward(&h)?;
+            mark("norm", dev);
+            h = (&h + blk.mixer.forward(&x, obs, lc)?)?;
+            mark("mixer output", dev);
             obs.hidden(i, &h)?;
+            mark("observer", dev);
         }
         let h = self.norm_f.forward(&h)?;
         obs.hidden(self.blocks.len(), &h)?;
-        crate::arch::logits(h, &self.lm_head, obs)
+        let out = crate::arch::logits(h, &self.lm_head, obs);
+        mark("head", dev);
+        out
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

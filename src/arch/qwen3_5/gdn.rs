@@ -7,6 +7,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
+use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{Module, Tensor, Var};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
@@ -135,14 +136,18 @@ impl GatedDeltaNet {
             Some(LayerCache::Recurrent { conv, state }) => (conv.first().cloned(), Some(state.clone())),
             _ => (None, None),
         };
+        let dev = x.device();
+        mark("observer", dev);
         let (qkv, z, beta, a) = self.project(x)?;
-        let (mixed, conv_state) = self.conv.forward_cached(&qkv, prev_conv.as_ref())?;
-        let mixed = candle_nn::ops::silu(&mixed)?;
+        mark("qkv projections", dev);
+        let (mixed, conv_state) = self.conv.forward_silu_cached(&qkv, prev_conv.as_ref())?;
+        mark("short conv + silu", dev);
         let kd = d.hk * d.dk;
         let q = mixed.narrow(2, 0, kd)?.reshape((b, t, d.hk, d.dk))?;
         let k = mixed.narrow(2, kd, kd)?.reshape((b, t, d.hk, d.dk))?;
         let v = mixed.narrow(2, 2 * kd, d.hv * d.dv)?.reshape((b, t, d.hv, d.dv))?;
         obs.qk(self.layer, &q, &k)?;
+        mark("observer", dev);
         // Gates, β and the L2 norms in float32, as the upstream kernels compute them.
         let f32 = candle_core::DType::F32;
         let beta = candle_nn::ops::sigmoid(&beta.to_dtype(f32)?)?;
@@ -161,7 +166,9 @@ impl GatedDeltaNet {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
+        mark("gates + l2 norms", dev);
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, vec![conv_state])?;
+        mark("recurrence", dev);
         let o = self.norm.forward_gated(&o, &z)?;
         Ok(self.out_proj.forward(&o.reshape((b, t, d.hv * d.dv))?)?)
     }

@@ -9,6 +9,7 @@ use crate::arch::{CausalLm, DecodeCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
+use crate::profile::mark;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Embedding, Linear};
@@ -98,27 +99,36 @@ impl CausalLm for Qwen35Model {
         if let Some(c) = cache.as_deref_mut() {
             c.begin(n, ids.dim(1)?);
         }
+        let dev = &self.device;
+        mark("outside forward", dev);
         for (i, l) in self.layers.iter().enumerate() {
             let x = l.input_norm.forward(&h)?;
+            mark("norm", dev);
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             let y = match &l.mixer {
                 Mixer::Linear(m) => m.forward(&x, obs, lc)?,
                 Mixer::Full(a) => a.forward(&x, lc)?,
             };
             h = (&h + y)?;
+            mark("mixer output", dev);
             let x = l.post_norm.forward(&h)?;
+            mark("norm", dev);
             let y = match &l.mlp {
                 Mlp::Dense(m) => m.forward(&x)?,
                 Mlp::Moe(m) => m.forward(&x)?,
             };
             h = (&h + y)?;
+            mark("mlp", dev);
             if i + 1 < n {
                 obs.hidden(i + 1, &h)?;
+                mark("observer", dev);
             }
         }
         let h = self.norm.forward(&h)?;
         obs.hidden(n, &h)?;
-        crate::arch::logits(h, &self.lm_head, obs)
+        let out = crate::arch::logits(h, &self.lm_head, obs);
+        mark("head", dev);
+        out
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {
