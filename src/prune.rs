@@ -61,7 +61,11 @@ fn select_all(
     let mut out = Vec::new();
     for l in &layout.layers {
         let mut cache = BTreeMap::new();
-        let weights = head_blocks(ckpt, layout, l.layer, &mut cache, None)?;
+        let weights = if plan.method.reads_weights() {
+            head_blocks(ckpt, layout, l.layer, &mut cache, None)?
+        } else {
+            vec![Vec::new(); l.key_heads]
+        };
         let grads = match (plan.method, calib) {
             (Method::Grad, Some(c)) => Some(head_blocks(ckpt, layout, l.layer, &mut cache, Some(&c.grad_sum))?),
             _ => None,

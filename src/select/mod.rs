@@ -40,6 +40,12 @@ impl FromStr for Method {
 }
 
 impl Method {
+    /// Whether the scores read the projection weights (DRRQR and Rand do not: for them the
+    /// weights, hundreds of MB per layer at 7B, are never loaded).
+    pub fn reads_weights(self) -> bool {
+        matches!(self, Method::L1 | Method::Swanda | Method::Grad)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::L1 => "l1",
