@@ -348,13 +348,29 @@ pub struct Calibration {
 }
 
 /// Sequences per forward pass when the user gives none: one on the CPU (the kernels already use
-/// every core), 16384 tokens' worth on a GPU, and one when the backward must keep all layers.
-fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool) -> usize {
+/// every core) and when the backward must keep all layers; on a GPU up to 16384 tokens' worth,
+/// fewer when the free memory (read after the model is loaded) would not hold them.
+fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool, hidden: usize) -> usize {
     if device.is_cpu() || grad {
         1
     } else {
-        (16384 / seqlen.max(1)).max(1)
+        gpu_batch(crate::device::free_memory(device), seqlen, hidden)
     }
+}
+
+/// Bytes of activations per token of a pass, an upper bound of what the H200 runs measured at
+/// 16384 tokens per pass (1.3B to 9B models: 165-700 KB per token, one layer's activations at a
+/// time): 40 float32 values per unit of hidden width.
+const BYTES_PER_TOKEN_PER_HIDDEN: usize = 160;
+
+/// Sequences per pass on a GPU with `free` bytes free (unknown: assume enough), using at most half.
+fn gpu_batch(free: Option<usize>, seqlen: usize, hidden: usize) -> usize {
+    let seqlen = seqlen.max(1);
+    let mut tokens = 16384;
+    if let Some(free) = free {
+        tokens = tokens.min(free / 2 / (BYTES_PER_TOKEN_PER_HIDDEN * hidden.max(1)));
+    }
+    (tokens / seqlen).max(1)
 }
 
 impl Calibration {
@@ -383,7 +399,9 @@ impl Calibration {
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
         self.collector.need_logits = self.settings.grad;
-        let batch = batch.unwrap_or_else(|| auto_batch(model.device(), self.settings.seqlen, self.settings.grad));
+        let hidden = self.fingerprint.hidden;
+        let batch =
+            batch.unwrap_or_else(|| auto_batch(model.device(), self.settings.seqlen, self.settings.grad, hidden));
         while self.sequences_done < seqs.len() {
             let first = self.sequences_done;
             let len = seqs[first].len();
@@ -533,6 +551,18 @@ impl Calibration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_batch_fits_free_memory() {
+        // Plenty free: 16384 tokens per pass.
+        assert_eq!(gpu_batch(Some(100 << 30), 2048, 4096), 8);
+        assert_eq!(gpu_batch(None, 2048, 4096), 8);
+        // A 9B model on a 24 GB card leaves ~5 GB: 5e9 / 2 / (160 * 4096) = 3814 tokens -> 1 sequence.
+        assert_eq!(gpu_batch(Some(5_000_000_000), 2048, 4096), 1);
+        assert_eq!(gpu_batch(Some(5_000_000_000), 512, 4096), 7);
+        // Never below one sequence, even when nothing is free.
+        assert_eq!(gpu_batch(Some(0), 2048, 4096), 1);
+    }
 
     /// The device-buffer path (run here on CPU tensors) keeps exactly the rows `place` keeps,
     /// including slots replaced twice in one batch and rows that were on the host first.

@@ -34,3 +34,13 @@ pub fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
         _ => bail!("--dtype {s}: expected auto, f32, bf16 or f16"),
     })
 }
+
+/// Free memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
+pub fn free_memory(device: &Device) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free);
+    }
+    let _ = device;
+    None
+}
