@@ -374,7 +374,8 @@ impl Kernel {
     /// recurrence (the Grad selector); the sequential kernel on the CPU, where the per-head loop
     /// is exact and fast for the model sizes that run there.
     /// `STATECUT_RECURRENCE=sequential|chunked|fused` overrides the choice (for benchmarks and
-    /// tests); per-key-channel decay (GLA) never takes the chunked form.
+    /// tests); per-key-channel decay (GLA) never takes the chunked form, and takes the fused
+    /// kernel only when asked.
     pub fn choose(rec: &Recurrence) -> Kernel {
         static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
         let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
@@ -387,7 +388,9 @@ impl Kernel {
             .into_iter()
             .flatten()
             .any(Tensor::track_op);
-        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() {
+        // Per-key-channel decay (GLA, SSE's partitions) stays on the sequential kernel unless
+        // asked for: the fused kernel's gk path is tested through its CPU twin only so far.
+        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() || rec.gk.is_some() {
             Kernel::Sequential
         } else if tracked {
             Kernel::Chunked
