@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Decode speed with the upstream library's own kernels (fla / transformers), the paper's
 Table 17 setting: a 512-token prompt, then one token per step for every sequence of the batch.
-Prints and writes median milliseconds per decode step for each model and batch size.
+Prints and writes median milliseconds per decode step for each model and batch size; the
+models take turns, `--rounds` times `--steps` steps each. Works for models whose forward returns
+`past_key_values` (fla's, Qwen3.5); transformers' Mamba-2 caches differently and is not handled.
 
     python3 scripts/decode_bench.py --models ORIG PRUNED --batch-sizes 1,16,64 --json d.json
 """
@@ -14,29 +16,52 @@ import time
 import torch
 
 
-def bench(path, batch, prompt, steps, vocab_cap):
+def load(path, device):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    vocab = min(model.config.vocab_size if hasattr(model.config, "vocab_size") else vocab_cap, vocab_cap)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, prompt), generator=g).cuda()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_round(model, ids, steps):
+    """Prefill `ids`, then time `steps` single-token steps; seconds per step."""
+    out = model(ids, use_cache=True)
+    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    sync(ids.device)
     times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(nxt, past_key_values=past, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        sync(ids.device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench(paths, batch, prompt, steps, rounds, vocab_cap, device):
+    """Median ms per decode step of every model; the models take turns round by round, so that
+    clock or thermal drift during the run hits all of them alike."""
+    models = [load(p, device) for p in paths]
+    g = torch.Generator().manual_seed(0)
+    ids = []
+    for m in models:
+        vocab = min(getattr(m.config, "vocab_size", vocab_cap), vocab_cap)
+        ids.append(torch.randint(0, vocab, (batch, prompt), generator=g).to(device))
+    times = [[] for _ in models]
     with torch.no_grad():
-        for rep in range(2):  # the first pass compiles the kernels
-            out = model(ids, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                out = model(nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
-                if rep == 1:
-                    times.append(time.perf_counter() - t0)
-    del model
-    torch.cuda.empty_cache()
-    return 1000 * statistics.median(times)
+        for m, x in zip(models, ids):  # the first pass compiles the kernels
+            decode_round(m, x, 2)
+        for _ in range(rounds):
+            for k, (m, x) in enumerate(zip(models, ids)):
+                times[k] += decode_round(m, x, steps)
+    del models
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [1000 * statistics.median(t) for t in times]
 
 
 def main():
@@ -44,21 +69,23 @@ def main():
     ap.add_argument("--models", nargs="+", required=True)
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per model, taken in turns")
     ap.add_argument("--vocab-cap", type=int, default=4096)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     args = ap.parse_args()
     try:
         import fla  # noqa: F401  registers fla models with transformers
     except ImportError:
         pass
     rows = []
+    dev = torch.device(args.device)
     for b in [int(x) for x in args.batch_sizes.split(",")]:
-        for m in args.models:
-            ms = bench(m, b, args.prompt_len, args.steps, args.vocab_cap)
+        for m, ms in zip(args.models, bench(args.models, b, args.prompt_len, args.steps, args.rounds, args.vocab_cap, dev)):
             rows.append({"model": m, "batch": b, "decode_ms_per_step": ms})
             print(f"{m} batch {b}: {ms:.3f} ms/step", flush=True)
-            json.dump(rows, open(args.json, "w"), indent=2)
+        json.dump(rows, open(args.json, "w"), indent=2)
 
 
 if __name__ == "__main__":

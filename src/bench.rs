@@ -46,59 +46,87 @@ fn random_ids(b: usize, t: usize, vocab: usize, dev: &Device, seed: u64) -> Resu
     Ok(Tensor::from_vec(ids, (b, t), dev)?)
 }
 
-/// Time one model.
-pub fn bench_model(
-    model: &dyn CausalLm,
-    vocab: usize,
+/// A model under test with its vocabulary size.
+pub struct Subject<'a> {
+    pub model: &'a dyn CausalLm,
+    pub vocab: usize,
+}
+
+/// Time every model at every batch size, one row list per model. The models take turns within
+/// each batch size (A B A B ...), so that clock or thermal drift during a run hits all of them
+/// alike instead of skewing their ratio.
+pub fn bench_models(
+    subjects: &[Subject],
     args: &BenchArgs,
     batches: &[usize],
     quiet: bool,
-) -> Result<Vec<BenchRow>> {
-    let dev = model.device().clone();
-    let mut rows = Vec::new();
+) -> Result<Vec<Vec<BenchRow>>> {
+    let mut out: Vec<Vec<BenchRow>> = subjects.iter().map(|_| Vec::new()).collect();
+    let rounds = args.warmup + args.iterations;
     for &b in batches {
-        let prompt = random_ids(b, args.prompt_len, vocab, &dev, b as u64)?;
-        let mut times = Vec::new();
-        for i in 0..args.warmup + args.iterations {
-            sync(&dev)?;
-            let t0 = Instant::now();
-            model.forward(&prompt, &mut NoObserver)?;
-            sync(&dev)?;
-            if i >= args.warmup {
-                times.push(t0.elapsed().as_secs_f64());
+        let prompts = subjects
+            .iter()
+            .map(|s| random_ids(b, args.prompt_len, s.vocab, s.model.device(), b as u64))
+            .collect::<Result<Vec<_>>>()?;
+        let mut prefill = vec![Vec::new(); subjects.len()];
+        for i in 0..rounds {
+            for (k, s) in subjects.iter().enumerate() {
+                let dev = s.model.device();
+                sync(dev)?;
+                let t0 = Instant::now();
+                s.model.forward(&prompts[k], &mut NoObserver)?;
+                sync(dev)?;
+                if i >= args.warmup {
+                    prefill[k].push(t0.elapsed().as_secs_f64());
+                }
             }
         }
-        let prefill = (b * args.prompt_len) as f64 / median(times);
-        let mut decode = None;
-        let mut cache_elems = None;
-        let mut cache = DecodeCache::default();
-        if model.forward_cached(&prompt, &mut cache).is_ok() {
-            cache_elems = Some(cache.elems());
-            let mut times = Vec::new();
-            for i in 0..args.warmup + args.iterations {
+        // The cache after the prompt; a family without step-by-step decoding has none.
+        let caches: Vec<Option<DecodeCache>> = subjects
+            .iter()
+            .zip(&prompts)
+            .map(|(s, p)| {
+                let mut c = DecodeCache::default();
+                s.model.forward_cached(p, &mut c).ok().map(|_| c)
+            })
+            .collect();
+        let mut decode = vec![Vec::new(); subjects.len()];
+        for i in 0..rounds {
+            for (k, s) in subjects.iter().enumerate() {
+                let Some(cache) = &caches[k] else { continue };
+                let dev = s.model.device();
                 let mut c = cache.clone();
-                let step = random_ids(b, 1, vocab, &dev, 7 + i as u64)?;
-                sync(&dev)?;
+                let step = random_ids(b, 1, s.vocab, dev, 7 + i as u64)?;
+                sync(dev)?;
                 let t0 = Instant::now();
                 for _ in 0..args.decode_steps {
-                    model.forward_cached(&step, &mut c)?;
+                    s.model.forward_cached(&step, &mut c)?;
                 }
-                sync(&dev)?;
+                sync(dev)?;
                 if i >= args.warmup {
-                    times.push(t0.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64);
+                    decode[k].push(t0.elapsed().as_secs_f64() * 1e3 / args.decode_steps as f64);
                 }
             }
-            decode = Some(median(times));
         }
-        if !quiet {
-            eprintln!(
-                "batch {b}: prefill {prefill:.0} tok/s, decode {}",
-                decode.map_or("n/a".into(), |d| format!("{d:.2} ms/token"))
-            );
+        for k in 0..subjects.len() {
+            let row = BenchRow {
+                batch: b,
+                prefill_tokens_per_s: (b * args.prompt_len) as f64 / median(std::mem::take(&mut prefill[k])),
+                decode_ms_per_token: caches[k].as_ref().map(|_| median(std::mem::take(&mut decode[k]))),
+                cache_elems: caches[k].as_ref().map(DecodeCache::elems),
+            };
+            if !quiet {
+                eprintln!(
+                    "model {}: batch {b}: prefill {:.0} tok/s, decode {}",
+                    k + 1,
+                    row.prefill_tokens_per_s,
+                    row.decode_ms_per_token.map_or("n/a".into(), |d| format!("{d:.2} ms/token"))
+                );
+            }
+            out[k].push(row);
         }
-        rows.push(BenchRow { batch: b, prefill_tokens_per_s: prefill, decode_ms_per_token: decode, cache_elems });
     }
-    Ok(rows)
+    Ok(out)
 }
 
 fn vocab_of(cfg: &serde_json::Value) -> Result<usize> {
@@ -124,9 +152,14 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
     if let Some(c) = &args.compare {
         models.push(crate::cli::ModelArgs { model: c.clone(), ..args.model.clone() });
     }
-    for m in &models {
-        let loaded = crate::commands::load(m, false, quiet)?;
-        let rows = bench_model(loaded.model.as_ref(), vocab_of(&loaded.ckpt.config)?, args, &batches, quiet)?;
+    // Both models stay loaded so that they can take turns (see `bench_models`).
+    let loaded = models.iter().map(|m| crate::commands::load(m, false, quiet)).collect::<Result<Vec<_>>>()?;
+    let subjects = loaded
+        .iter()
+        .map(|l| Ok(Subject { model: l.model.as_ref(), vocab: vocab_of(&l.ckpt.config)? }))
+        .collect::<Result<Vec<_>>>()?;
+    let rows = bench_models(&subjects, args, &batches, quiet)?;
+    for (m, rows) in models.iter().zip(rows) {
         reports.push(BenchReport {
             model: m.model.clone(),
             device: m.device.clone(),

@@ -46,3 +46,29 @@ fn mamba2_decode_matches_forward() {
 fn qwen3_5_decode_matches_forward() {
     check("qwen3_5");
 }
+
+/// `bench --compare` times both models at every batch size (taking turns) and reports each one's
+/// own cache size: the DeltaNet and Gated DeltaNet references have different state shapes.
+#[test]
+fn bench_compares_two_models() {
+    let (Some(a), Some(b)) = (common::model_dir("delta_net"), common::model_dir("gated_deltanet")) else { return };
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let args = ["bench", "-m", a, "--compare", b, "--prompt-len", "16", "--batch-sizes", "1,2", "--decode-steps", "2"];
+    let (code, out, err) = common::statecut(&[&args[..], &["--iterations", "1", "--json"]].concat(), &[]);
+    assert_eq!(code, 0, "{err}");
+    let reports: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let reports = reports.as_array().unwrap();
+    assert_eq!(reports.len(), 2);
+    let cache = |r: &serde_json::Value, i: usize| r["rows"][i]["cache_elems"].as_u64().unwrap();
+    for r in reports {
+        let rows = r["rows"].as_array().unwrap();
+        assert_eq!(rows.iter().map(|x| x["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
+        for x in rows {
+            assert!(x["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+            assert!(x["decode_ms_per_token"].as_f64().unwrap() > 0.0);
+        }
+        // The recurrent cache grows with the batch.
+        assert_eq!(cache(r, 1), 2 * cache(r, 0));
+    }
+    assert_ne!(cache(&reports[0], 0), cache(&reports[1], 0));
+}
