@@ -17,6 +17,9 @@ use rayon::prelude::*;
 
 const CHUNK: usize = 64;
 
+/// Widest key dimension the fused CUDA kernel takes (`recurrence` in kernels.cu).
+const MAX_FUSED_DK: usize = 1024;
+
 /// Which update rule the recurrence uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
@@ -399,8 +402,9 @@ impl Kernel {
         });
         match choice {
             Kernel::Chunked if !super::chunked::supports(rec) => Kernel::Sequential,
-            // The fused op has no backward: a tracked input needs one of the other two.
-            Kernel::Fused if tracked => {
+            // The fused op has no backward: a tracked input needs one of the other two; its CUDA
+            // kernel keeps at most 32 x 32 key rows of a state column in registers.
+            Kernel::Fused if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
                 if super::chunked::supports(rec) && !rec.q.device().is_cpu() {
                     Kernel::Chunked
                 } else {
