@@ -2,8 +2,8 @@
 """Decode speed with the upstream library's own kernels (fla / transformers), the paper's
 Table 17 setting: a 512-token prompt, then one token per step for every sequence of the batch.
 Prints and writes median milliseconds per decode step for each model and batch size; the
-models take turns, `--rounds` times `--steps` steps each. Works for models whose forward returns
-`past_key_values` (fla's, Qwen3.5); transformers' Mamba-2 caches differently and is not handled.
+models take turns, `--rounds` times `--steps` steps each. fla models, Qwen3.5 and transformers'
+Mamba-2.
 
     python3 scripts/decode_bench.py --models ORIG PRUNED --batch-sizes 1,16,64 --json d.json
 """
@@ -27,16 +27,26 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def step(model, ids, cache):
+    """One forward with the model's cache (`past_key_values` for fla and Qwen3.5, `cache_params`
+    for transformers' Mamba-2); returns (cache, next token ids)."""
+    if getattr(model.config, "model_type", "") == "mamba2":
+        out = model(ids, cache_params=cache, use_cache=True)
+        cache = out.cache_params
+    else:
+        out = model(ids, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
 def decode_round(model, ids, steps):
     """Prefill `ids`, then time `steps` single-token steps; seconds per step."""
-    out = model(ids, use_cache=True)
-    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, nxt = step(model, ids, None)
     sync(ids.device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(nxt, past_key_values=past, use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, nxt = step(model, nxt, cache)
         sync(ids.device)
         times.append(time.perf_counter() - t0)
     return times
