@@ -266,13 +266,21 @@ pub fn model_type(config: &Value) -> Result<String> {
     bail!("config.json has no model_type")
 }
 
-/// The model's output from its final normed hidden state: the LM head's logits, or the hidden
-/// state itself when the observer needs no logits.
-pub(crate) fn logits(h: Tensor, lm_head: &Linear, obs: &dyn Observer) -> Result<Tensor> {
-    if !obs.needs_logits() {
-        return Ok(h);
-    }
-    Ok(candle_core::Module::forward(lm_head, &h)?)
+/// The end of every causal LM: the final norm, whose output is hidden state `index` for the
+/// observer, then the LM head's logits, or that normed hidden state itself when the observer
+/// needs no logits.
+pub(crate) fn head(
+    h: &Tensor,
+    norm: &crate::ops::norm::RmsNorm,
+    lm_head: &Linear,
+    obs: &mut dyn Observer,
+    index: usize,
+) -> Result<Tensor> {
+    let h = norm.forward(h)?;
+    obs.hidden(index, &h)?;
+    let out = if obs.needs_logits() { candle_core::Module::forward(lm_head, &h)? } else { h };
+    crate::profile::mark("head", out.device());
+    Ok(out)
 }
 
 /// A linear layer `name` under `vb`. With `grad` its weight is a variable, registered in `vars`

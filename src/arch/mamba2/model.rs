@@ -214,11 +214,7 @@ impl CausalLm for Mamba2Model {
             obs.hidden(i, &h)?;
             mark("observer", dev);
         }
-        let h = self.norm_f.forward(&h)?;
-        obs.hidden(self.blocks.len(), &h)?;
-        let out = crate::arch::logits(h, &self.lm_head, obs);
-        mark("head", dev);
-        out
+        crate::arch::head(&h, &self.norm_f, &self.lm_head, obs, self.blocks.len())
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {

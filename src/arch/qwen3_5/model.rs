@@ -124,11 +124,7 @@ impl CausalLm for Qwen35Model {
                 mark("observer", dev);
             }
         }
-        let h = self.norm.forward(&h)?;
-        obs.hidden(n, &h)?;
-        let out = crate::arch::logits(h, &self.lm_head, obs);
-        mark("head", dev);
-        out
+        crate::arch::head(&h, &self.norm, &self.lm_head, obs, n)
     }
 
     fn grad_vars(&self) -> &[(String, Var)] {
