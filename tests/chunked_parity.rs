@@ -3,18 +3,16 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use common::flat;
+
+use candle_core::DType;
 use statecut::arch::{family_for, LoadOptions, NoObserver};
 use statecut::checkpoint::Checkpoint;
 use statecut::ops::delta_rule::Kernel;
 
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
-
 fn check(name: &str) {
     let Some(dir) = common::model_dir(name) else { return };
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();

@@ -3,13 +3,15 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor};
+use common::flat;
+
+use candle_core::{DType, Tensor};
 use statecut::arch::{family_for, DecodeCache, LoadOptions, NoObserver};
 use statecut::checkpoint::Checkpoint;
 
 fn check(name: &str) {
     let Some(dir) = common::model_dir(name) else { return };
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
@@ -21,7 +23,6 @@ fn check(name: &str) {
     }
     assert_eq!(cache.pos, 48);
     let stepped = Tensor::cat(&parts, 1).unwrap();
-    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let err = common::rel_err(&flat(&stepped), &flat(&full));
     eprintln!("{name}: decode vs full forward relative error {err:.2e}");
     assert!(err < 1e-5, "{name}: {err}");

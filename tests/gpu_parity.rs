@@ -5,15 +5,13 @@
 
 mod common;
 
+use common::flat;
+
 use candle_core::{DType, Device, Tensor};
 use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver};
 use statecut::calib::{CalibSettings, Calibration};
 use statecut::checkpoint::Checkpoint;
 use statecut::ops::delta_rule::Kernel;
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-}
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA device (these tests need a GPU)")
@@ -35,7 +33,7 @@ fn grads(model: &dyn CausalLm, ids: &Tensor) -> Vec<Vec<f32>> {
 
 fn check(name: &str) {
     let Some(dir) = common::model_dir(name) else { return };
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let (cpu, gpu) = (Device::Cpu, gpu());
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::flat;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use statecut::arch::{family_for, LoadOptions, Observer, SliceRole};
@@ -18,13 +20,12 @@ impl Observer for Hidden {
 
 fn check(name: &str) {
     let Some(dir) = common::model_dir(name) else { return };
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
     let mut hidden = Hidden(Vec::new());
     let logits = model.forward(&ids, &mut hidden).unwrap();
-    let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
     eprintln!("{name}: logits relative error {err:.3e}");
     assert!(err < 1e-3, "{name}: logits relative error {err:.3e} >= 1e-3");
@@ -61,7 +62,7 @@ fn qwen3_5_matches_transformers() {
 /// checkpoint tensor, and the LM loss has a gradient with respect to it.
 fn check_grad(name: &str) {
     let Some(dir) = common::model_dir(name) else { return };
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let family = family_for(&ckpt).unwrap();
     let layout = family.layout(&ckpt).unwrap();
@@ -150,13 +151,12 @@ fn observers_see_the_layout() {
 fn bf16_error_is_upstream_scale() {
     for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
         let Some(dir) = common::model_dir(name) else { return };
-        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let golden = common::golden(&dir);
         let ckpt = Checkpoint::open(&dir).unwrap();
         let opts = LoadOptions { dtype: DType::BF16, ..LoadOptions::cpu_f32() };
         let model = family_for(&ckpt).unwrap().load(&ckpt, &opts).unwrap();
         let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
         let logits = model.forward(&ids, &mut statecut::arch::NoObserver).unwrap();
-        let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
         let upstream = common::rel_err(&flat(&golden["logits_bf16_kernel"]), &flat(&golden["logits"]));
         eprintln!("{name}: bf16 logits relative error {err:.3e} (upstream bf16 kernels {upstream:.3e})");
@@ -176,7 +176,7 @@ fn no_logits_returns_final_hidden_state() {
     }
     for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
         let Some(dir) = common::model_dir(name) else { return };
-        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let golden = common::golden(&dir);
         let ckpt = Checkpoint::open(&dir).unwrap();
         let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
         let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
@@ -184,7 +184,6 @@ fn no_logits_returns_final_hidden_state() {
         let gh = &golden["hidden_states"];
         let last = gh.get(gh.dim(0).unwrap() - 1).unwrap();
         assert_eq!(h.dims(), last.dims(), "{name}");
-        let flat = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let err = common::rel_err(&flat(&h), &flat(&last));
         assert!(err < 1e-3, "{name}: final hidden state off by {err:.3e}");
     }

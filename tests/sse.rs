@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::flat;
+
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -124,8 +126,14 @@ fn ids(b: usize, t: usize, seed: u64) -> Tensor {
     Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
 }
 
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+/// The three forms of the SSE forward (mask, varlen, loop) give the same finite logits for `ids`
+/// on the checkpoint in `dir`.
+fn assert_forms_agree(dir: &Path, ids: &Tensor) {
+    let logits = |imp| flat(&open(dir, imp).forward(ids, &mut NoObserver).unwrap());
+    let mask = logits(Implementation::Mask);
+    assert!(mask.iter().all(|x| x.is_finite()));
+    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
+    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
 }
 
 fn open(dir: &Path, imp: Implementation) -> SseModel {
@@ -179,7 +187,7 @@ fn decode_matches_forward() {
     }
     for name in ["sse_gla", "sse_gdn", "sse_h"] {
         let dir = fixture_dir(name);
-        let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+        let golden = common::golden(&dir);
         let x = golden["input_ids"].to_dtype(DType::U32).unwrap().narrow(1, 0, 48).unwrap();
         check_decode(&open(&dir, Implementation::Varlen), &x, 40, &format!("{name} fixture"));
     }
@@ -321,10 +329,7 @@ fn sliced_checkpoint_reloads(transition: &str) {
     fam.set_key_width(&mut cfg, &layout, keep.len()).unwrap();
     std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
     let x = ids(2, 33, 4);
-    let logits = |imp| flat(&open(&out, imp).forward(&x, &mut NoObserver).unwrap());
-    let mask = logits(Implementation::Mask);
-    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
-    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
+    assert_forms_agree(&out, &x);
     assert_eq!(Checkpoint::open(&out).unwrap().config["head_dim"], keep.len());
 }
 
@@ -369,7 +374,7 @@ fn fixtures_match_reference_script() {
 
 fn check_golden(name: &str) {
     let dir = fixture_dir(name);
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
+    let golden = common::golden(&dir);
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     assert_eq!(family_for(&ckpt).unwrap().model_types(), &["sse"]);
@@ -414,13 +419,7 @@ fn prune_and_inspect_commands_on_fixture() {
     let (dk, dv) = (cfg_usize(&dir, "head_dim"), cfg_dv(&dir));
     assert_eq!(cfg_usize(&out, "head_dim"), dk / 2);
     assert_eq!(cfg_dv(&out), dv);
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
-    let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
-    let mask = logits(Implementation::Mask);
-    assert!(mask.iter().all(|x| x.is_finite()));
-    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
-    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
+    assert_forms_agree(&out, &common::golden(&dir)["input_ids"].to_dtype(DType::U32).unwrap());
 
     let (code, json, err) = common::statecut(
         &["inspect", "-m", dir.to_str().unwrap(), "--nsamples", "2", "--seqlen", "64", "--rows", "200", "--json", "-q"],
@@ -507,13 +506,7 @@ fn prune_partitions_keeps_router_rows() {
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("statecut_report.json")).unwrap()).unwrap();
     assert_eq!(report["state_elems_after"], layers * heads * n * dk * cfg_dv(&dir));
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
-    let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
-    let mask = logits(Implementation::Mask);
-    assert!(mask.iter().all(|x| x.is_finite()));
-    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
-    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
+    assert_forms_agree(&out, &common::golden(&dir)["input_ids"].to_dtype(DType::U32).unwrap());
 
     // Too few partitions for top-2 routing is an error.
     let (code, _, err) = common::statecut(
@@ -662,11 +655,5 @@ fn hybrid_layout_and_prune() {
         let name = format!("model.layers.{l}.attn.q_proj.weight");
         assert_eq!(pruned.info(&name).unwrap().shape, ckpt.info(&name).unwrap().shape, "{name}");
     }
-    let golden = candle_core::safetensors::load(dir.join("golden.safetensors"), &Device::Cpu).unwrap();
-    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
-    let logits = |imp| flat(&open(&out, imp).forward(&ids, &mut NoObserver).unwrap());
-    let mask = logits(Implementation::Mask);
-    assert!(mask.iter().all(|x| x.is_finite()));
-    assert!(common::rel_err(&logits(Implementation::Varlen), &mask) < 1e-5);
-    assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
+    assert_forms_agree(&out, &common::golden(&dir)["input_ids"].to_dtype(DType::U32).unwrap());
 }

@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 /// The reference data directory: `$STATECUT_TEST_DATA`, default `../shared` beside the checkout.
 /// Returns None (and says so) when it is missing, so tests that need it are skipped loudly.
@@ -22,6 +23,16 @@ pub fn shared() -> Option<PathBuf> {
 
 pub fn model_dir(name: &str) -> Option<PathBuf> {
     shared().map(|s| s.join("models").join(name))
+}
+
+/// The golden tensors of a reference model directory (`golden.safetensors`), on the CPU.
+pub fn golden(dir: &Path) -> HashMap<String, candle_core::Tensor> {
+    candle_core::safetensors::load(dir.join("golden.safetensors"), &candle_core::Device::Cpu).unwrap()
+}
+
+/// A tensor's values, as float32, in row-major order.
+pub fn flat(t: &candle_core::Tensor) -> Vec<f32> {
+    t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
 /// ||a - b|| / ||b||
