@@ -151,8 +151,8 @@ pub struct Collector {
     pub skip: usize,
     /// Whether the forward must produce logits (only the Grad selector's loss needs them).
     pub need_logits: bool,
-    /// Per layer: Σ x² of the inputs seen since the last [`Collector::flush`], on the device,
-    /// and their token count.
+    /// Per layer: Σ x² (float64) of the inputs seen since the last [`Collector::sync`], on the
+    /// inputs' device, and their token count.
     pending: BTreeMap<usize, (Tensor, u64)>,
 }
 
@@ -182,27 +182,22 @@ impl Collector {
         Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0, need_logits: true, pending: BTreeMap::new() }
     }
 
-    /// Copy the sampled rows held on a GPU to the host (`rows` of every reservoir); call before
-    /// reading or saving them.
-    pub fn sync_rows(&mut self) -> Result<()> {
-        for l in self.layers.values_mut() {
-            l.keys.sync()?;
-            l.queries.sync()?;
-        }
-        Ok(())
-    }
-
-    /// Move the input sums accumulated on the device into [`LayerCalib::input_sq`]; call after
-    /// every forward pass.
-    pub fn flush(&mut self) -> Result<()> {
+    /// Bring what the forward passes left on the device to the host: the sampled rows of every
+    /// reservoir and the input sums (into [`LayerCalib::input_sq`]). Call before reading or
+    /// saving the statistics.
+    pub fn sync(&mut self) -> Result<()> {
         for (layer, (sq, n)) in std::mem::take(&mut self.pending) {
             let l = self.layers.get_mut(&layer).expect("pending sums are only kept for collected layers");
-            let sq = sq.to_vec1::<f32>()?;
+            let sq = sq.to_vec1::<f64>()?;
             if l.input_sq.is_empty() {
                 l.input_sq = vec![0.0; sq.len()];
             }
-            l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b as f64);
+            l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b);
             l.input_count += n;
+        }
+        for l in self.layers.values_mut() {
+            l.keys.sync()?;
+            l.queries.sync()?;
         }
         Ok(())
     }
@@ -282,8 +277,9 @@ impl Observer for Collector {
         let n = x.elem_count() / d;
         // Σ over tokens as a [1, n] x [n, d] product: a column sum candle would do strided.
         let ones = Tensor::ones((1, n), DType::F32, x.device())?;
-        let sq = ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?;
-        // Left on the device until `flush`, so the forward pass does not wait for the host.
+        // Each pass's float32 sum is accumulated in float64, left on the device until `sync` so
+        // that the forward pass does not wait for the host.
+        let sq = ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?.to_dtype(DType::F64)?;
         let acc = match self.pending.remove(&layer) {
             Some((a, c)) => ((a + sq)?, c + n as u64),
             None => (sq, n as u64),
@@ -413,7 +409,6 @@ impl Calibration {
             let flat: Vec<u32> = seqs[first..first + n].iter().flatten().copied().collect();
             let ids = Tensor::from_vec(flat, (n, len), model.device())?;
             let logits = model.forward(&ids, &mut self.collector)?;
-            self.collector.flush()?;
             if self.settings.grad {
                 let logits = logits.narrow(1, 0, len - 1)?.to_dtype(DType::F32)?.reshape((n * (len - 1), ()))?;
                 let targets = ids.narrow(1, 1, len - 1)?.flatten_all()?;
@@ -436,13 +431,13 @@ impl Calibration {
             if let Some((path, every)) = save {
                 let crossed = every > 0 && self.sequences_done / every > first / every;
                 if crossed && self.sequences_done < seqs.len() {
-                    self.collector.sync_rows()?;
+                    self.collector.sync()?;
                     self.save(path, false)?;
                 }
             }
         }
         pb.finish_and_clear();
-        self.collector.sync_rows()?;
+        self.collector.sync()?;
         self.check_finite()
     }
 

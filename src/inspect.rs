@@ -199,11 +199,10 @@ pub fn inspect(
     for seq in sequences {
         let ids = Tensor::from_slice(seq, (1, seq.len()), model.device())?;
         model.forward(&ids, &mut obs)?;
-        obs.collector.flush()?;
         pb.inc(1);
     }
     pb.finish_and_clear();
-    obs.collector.sync_rows()?;
+    obs.collector.sync()?;
     let dk = layout.dk;
     let mut layers = Vec::new();
     let (mut state_spectra, mut activation_spectra) = (BTreeMap::new(), BTreeMap::new());
