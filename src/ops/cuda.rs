@@ -65,7 +65,9 @@ pub fn recurrence(
         candle_core::bail!("recurrence: key width {} is above the kernel's 1024", d.dk);
     }
     let maxr = [8, 16, 32].into_iter().find(|&m| rows <= m).unwrap_or(32);
-    let func = function(&dev, &format!("recurrence_{maxr}"))?;
+    // Specialised for per-channel decay and for rows that need no bounds check (dk = R · MAXR).
+    let full = rows == maxr && r * rows == d.dk;
+    let func = function(&dev, &format!("recurrence_{maxr}_{}{}", d.gk as u8, full as u8))?;
     let n = d.b * d.t * d.h * d.dv + d.b * d.h * d.dk * d.dv;
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
@@ -80,7 +82,7 @@ pub fn recurrence(
         block_dim: (32 * warps as u32, 1, 1),
         shared_mem_bytes: (tc * step_bytes) as u32,
     };
-    let ints = [d.b, d.t, d.h, d.dk, d.dv, r, rows, d.gk as usize, d.delta as usize].map(|v| v as i32);
+    let ints = [d.b, d.t, d.h, d.dk, d.dv, r, rows, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     builder.arg(&x);

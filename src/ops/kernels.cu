@@ -55,12 +55,11 @@ CONV(conv_silu_f16, __half)
 // global-memory latency off the per-step critical path; interleaved rows keep the R threads of a
 // column on distinct banks.
 // Output: o [B, T, H, dv] followed by the final state [B, H, dk, dv].
-template <int MAXR>
+template <int MAXR, bool GK, bool FULL>
 __device__ void recurrence(const float *__restrict__ x, const float *__restrict__ s0, float *__restrict__ out,
-                           int B, int T, int H, int dk, int dv, int R, int rows, int has_gk, int delta,
-                           float scale, int tc) {
+                           int B, int T, int H, int dk, int dv, int R, int rows, int delta, float scale, int tc) {
   extern __shared__ float stage[];
-  const int P = 2 * dk + dv + 2 + (has_gk ? dk : 0);
+  const int P = 2 * dk + dv + 2 + (GK ? dk : 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane % R;
   const int cols_per_warp = 32 / R;
@@ -71,15 +70,15 @@ __device__ void recurrence(const float *__restrict__ x, const float *__restrict_
   const bool valid = col < dv;
   const int bh = blockIdx.y, b = bh / H, h = bh % H;
   // One staged step: q[dk] | k[dk] | v[cols] | beta | g | gk[dk]
-  const int W = 2 * dk + cols + 2 + (has_gk ? dk : 0);
+  const int W = 2 * dk + cols + 2 + (GK ? dk : 0);
   const int vb = 2 * dk, sb = 2 * dk + cols, gkb = sb + 2;
 
   float s[MAXR];
   const float *init = s0 + (int64_t)bh * dk * dv;
 #pragma unroll
   for (int m = 0; m < MAXR; m++) {
-    int i = m * R + r;
-    s[m] = (m < rows && i < dk && valid) ? init[(int64_t)i * dv + col] : 0.0f;
+    const int i = m * R + r;
+    s[m] = ((FULL || (m < rows && i < dk)) && valid) ? init[(int64_t)i * dv + col] : 0.0f;
   }
   for (int t0 = 0; t0 < T; t0 += tc) {
     const int n = min(tc, T - t0);
@@ -117,28 +116,43 @@ __device__ void recurrence(const float *__restrict__ x, const float *__restrict_
       const float beta = xs[sb];
       const float a = expf(xs[sb + 1]);
       const float v = xs[vb + lc];
+      // GK and FULL are compile-time: the unrolled loops below have no branches, so the
+      // shared-memory loads can be issued ahead of the arithmetic that uses them.
       float kk[MAXR];
-      float pred = 0.0f;
+      // Four partial sums shorten the dependent FMA chains from MAXR to MAXR / 4.
+      float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
 #pragma unroll
       for (int m = 0; m < MAXR; m++) {
         const int i = m * R + r;
-        const bool in = m < rows && i < dk;
-        float f = a;
-        if (has_gk && in) f *= expf(xs[gkb + i]);
+        const bool in = FULL || (m < rows && i < dk);
         kk[m] = in ? xs[dk + i] : 0.0f;
-        s[m] *= f;
-        pred += s[m] * kk[m];
+        if (GK) {
+          s[m] *= in ? a * expf(xs[gkb + i]) : a;
+        } else {
+          s[m] *= a;
+        }
+        const float d = s[m] * kk[m];
+        if ((m & 3) == 0) p0 += d;
+        else if ((m & 3) == 1) p1 += d;
+        else if ((m & 3) == 2) p2 += d;
+        else p3 += d;
       }
+      float pred = (p0 + p1) + (p2 + p3);
       for (int off = 1; off < R; off <<= 1) pred += __shfl_xor_sync(0xffffffffu, pred, off);
       const float u = delta ? beta * (v - pred) : beta * v;
-      float acc = 0.0f;
+      p0 = p1 = p2 = p3 = 0.0f;
 #pragma unroll
       for (int m = 0; m < MAXR; m++) {
         const int i = m * R + r;
-        const bool in = m < rows && i < dk;
+        const bool in = FULL || (m < rows && i < dk);
         s[m] += kk[m] * u;
-        acc += s[m] * (in ? xs[i] : 0.0f);
+        const float d = s[m] * (in ? xs[i] : 0.0f);
+        if ((m & 3) == 0) p0 += d;
+        else if ((m & 3) == 1) p1 += d;
+        else if ((m & 3) == 2) p2 += d;
+        else p3 += d;
       }
+      float acc = (p0 + p1) + (p2 + p3);
       for (int off = 1; off < R; off <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
       if (r == 0 && valid) out[(((int64_t)b * T + t0 + st) * H + h) * dv + col] = scale * acc;
     }
@@ -147,16 +161,23 @@ __device__ void recurrence(const float *__restrict__ x, const float *__restrict_
 #pragma unroll
   for (int m = 0; m < MAXR; m++) {
     const int i = m * R + r;
-    if (m < rows && i < dk && valid) state[(int64_t)i * dv + col] = s[m];
+    if ((FULL || (m < rows && i < dk)) && valid) state[(int64_t)i * dv + col] = s[m];
   }
 }
 
-#define REC(MAXR)                                                                                   \
-  extern "C" __global__ void recurrence_##MAXR(const float *x, const float *s0, float *out, int B,   \
-                                               int T, int H, int dk, int dv, int R, int rows,       \
-                                               int has_gk, int delta, float scale, int tc) {        \
-    recurrence<MAXR>(x, s0, out, B, T, H, dk, dv, R, rows, has_gk, delta, scale, tc);               \
+// recurrence_{MAXR}_{gk}{full}: gk = per-key-channel decay, full = every thread owns exactly
+// MAXR rows (dk = R * MAXR), so no row needs a bounds check.
+#define REC1(MAXR, GK, FULL, SUFFIX)                                                               \
+  extern "C" __global__ void recurrence_##MAXR##_##SUFFIX(                                         \
+      const float *x, const float *s0, float *out, int B, int T, int H, int dk, int dv, int R,     \
+      int rows, int delta, float scale, int tc) {                                                  \
+    recurrence<MAXR, GK, FULL>(x, s0, out, B, T, H, dk, dv, R, rows, delta, scale, tc);            \
   }
+#define REC(MAXR)                  \
+  REC1(MAXR, false, false, 00)     \
+  REC1(MAXR, false, true, 01)      \
+  REC1(MAXR, true, false, 10)      \
+  REC1(MAXR, true, true, 11)
 REC(8)
 REC(16)
 REC(32)
