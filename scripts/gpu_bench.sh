@@ -53,8 +53,23 @@ peak() {
   echo "{\"rc\": $rc, \"wall_s\": $(awk "BEGIN{print $t1 - $t0}"), \"peak_mib\": $((max - idle)), \"idle_mib\": $idle}"
 }
 
+# A stage that needs checkpoint NAME (or its statecut-pruned copy) makes it first when an earlier
+# call's machine, which held it, is gone.
+ensure() {
+  [ -d $CK/$1 ] || python3 scripts/make_random_checkpoints.py $CK --models "$1" --tokenizer-from "$BUNDLE/tokenizer" \
+    > "$OUT/make_$1.log" 2>&1
+  if [ "${2:-}" = pruned ] && [ ! -d $CK/$1-statecut ]; then
+    $SC prune -m $CK/$1 --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 128 --seqlen 2048 --device cuda \
+      --dtype bf16 -q -o $CK/$1-statecut > /dev/null 2>&1
+  fi
+}
+
 for stage in "$@"; do
   name=${stage#*:}
+  case $stage in
+    statecut:*|reference:*|kernels:*|profile:*) ensure "$name" ;;
+    decode:*|bench:*) ensure "$name" pruned ;;
+  esac
   echo "=== $stage ($(date +%T))"
   case $stage in
     parity)

@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
@@ -40,61 +40,89 @@ pub struct RecurrenceDims {
     pub dk: usize,
     pub dv: usize,
     pub gk: bool,
+    /// A per-step decay g is given (else g = 0, decay 1, and the kernel skips it).
+    pub gated: bool,
     pub delta: bool,
     pub scale: f32,
 }
 
-/// Packed float32 inputs [B,T,H,P] and initial state [B,H,dk,dv] -> o [B,T,H,dv] followed by the
-/// final state [B,H,dk,dv], flat.
-pub fn recurrence(
-    x: &CudaStorage,
-    xl: &Layout,
-    s0: &CudaStorage,
-    sl: &Layout,
-    d: &RecurrenceDims,
-) -> Result<(CudaStorage, Shape)> {
-    let dev = x.device().clone();
-    let (xs, xe) = contiguous(xl, "recurrence")?;
-    let (ss, se) = contiguous(sl, "recurrence state")?;
-    let x = x.as_cuda_slice::<f32>()?.slice(xs..xe);
-    let s0 = s0.as_cuda_slice::<f32>()?.slice(ss..se);
+/// The inputs of one recurrence launch, each float32 and contiguous: q, k [B,T,H,dk],
+/// v [B,T,H,dv], beta and g [B,T,H], gk [B,T,H,dk], s0 [B,H,dk,dv].
+pub struct RecurrenceInputs<'a> {
+    pub q: (&'a CudaStorage, &'a Layout),
+    pub k: (&'a CudaStorage, &'a Layout),
+    pub v: (&'a CudaStorage, &'a Layout),
+    pub beta: (&'a CudaStorage, &'a Layout),
+    pub g: Option<(&'a CudaStorage, &'a Layout)>,
+    pub gk: Option<(&'a CudaStorage, &'a Layout)>,
+    pub s0: (&'a CudaStorage, &'a Layout),
+}
+
+/// The float32 view of a contiguous input.
+fn view<'a>((s, l): (&'a CudaStorage, &Layout), what: &str) -> Result<CudaView<'a, f32>> {
+    let (a, b) = contiguous(l, what)?;
+    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+}
+
+/// o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat.
+pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaStorage, Shape)> {
+    let dev = inp.q.0.device().clone();
+    let (q, k, v) = (view(inp.q, "recurrence q")?, view(inp.k, "recurrence k")?, view(inp.v, "recurrence v")?);
+    let (beta, s0) = (view(inp.beta, "recurrence beta")?, view(inp.s0, "recurrence state")?);
+    // Absent inputs are never read (the kernel instance or the `gated` flag says so); beta
+    // stands in for their pointers.
+    let g = inp.g.map(|g| view(g, "recurrence g")).transpose()?;
+    let gk = inp.gk.map(|g| view(g, "recurrence gk")).transpose()?;
+    let (g, gk) = (g.as_ref().unwrap_or(&beta), gk.as_ref().unwrap_or(&beta));
     // R threads share a state column, each holding `rows` ≤ 32 key rows in registers.
     let r = d.dk.div_ceil(32).next_power_of_two().min(32);
     let rows = d.dk.div_ceil(r);
     if rows > 32 {
         candle_core::bail!("recurrence: key width {} is above the kernel's 1024", d.dk);
     }
-    let maxr = [8, 16, 32].into_iter().find(|&m| rows <= m).unwrap_or(32);
-    // Specialised for per-channel decay and for rows that need no bounds check (dk = R · MAXR).
-    let full = rows == maxr && r * rows == d.dk;
-    let func = function(&dev, &format!("recurrence_{maxr}_{}{}", d.gk as u8, full as u8))?;
     let n = d.b * d.t * d.h * d.dv + d.b * d.h * d.dk * d.dv;
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
     // 8 warps: every block stages all of q and k for its columns, so wide blocks read less.
     let warps = 8;
     let cols_per_block = warps * (32 / r);
-    // Time steps staged in shared memory per chunk: as many as fit the default 48 KiB, ≤ 32.
-    let step_bytes = 4 * (2 * d.dk + cols_per_block + 2 + if d.gk { d.dk } else { 0 });
-    let tc = (48 * 1024 / step_bytes).clamp(1, 32);
-    let cfg = LaunchConfig {
-        grid_dim: (d.dv.div_ceil(cols_per_block) as u32, (d.b * d.h) as u32, 1),
-        block_dim: (32 * warps as u32, 1, 1),
-        shared_mem_bytes: (tc * step_bytes) as u32,
-    };
-    let ints = [d.b, d.t, d.h, d.dk, d.dv, r, rows, d.delta as usize].map(|v| v as i32);
+    let gk_width = if d.gk { d.dk } else { 0 };
     let stream = dev.cuda_stream();
+    let grid_dim = (d.dv.div_ceil(cols_per_block) as u32, (d.b * d.h) as u32, 1);
+    let block_dim = (32 * warps as u32, 1, 1);
+    let scale = d.scale;
+    // The tiled kernel when the rows split exactly into float4 groups it has an instance for
+    // (every common head width), else the general one.
+    let tiled = r * rows == d.dk && matches!(rows, 16 | 24 | 32);
+    let (func, ints, tc, smem) = if tiled {
+        // Two buffers of `tc` padded steps (see `recurrence_tiled`) in the default 48 KiB.
+        let step_bytes = 4 * (2 * d.dk + gk_width + cols_per_block + 2).div_ceil(4) * 4;
+        let tc = (24 * 1024 / step_bytes).clamp(1, 32);
+        let decay = if d.gk { 2 } else { d.gated as u8 };
+        let func = function(&dev, &format!("recurrence_t{rows}_{r}_{decay}"))?;
+        (func, vec![d.b, d.t, d.h, d.dv, d.delta as usize], tc, 2 * tc * step_bytes)
+    } else {
+        let maxr = [8, 16, 32].into_iter().find(|&m| rows <= m).unwrap_or(32);
+        // Specialised for per-channel decay and for rows that need no bounds check (dk = R · MAXR).
+        let full = rows == maxr && r * rows == d.dk;
+        let func = function(&dev, &format!("recurrence_{maxr}_{}{}", d.gk as u8, full as u8))?;
+        // Time steps staged in shared memory per chunk: as many as fit the default 48 KiB, ≤ 32.
+        let step_bytes = 4 * (2 * d.dk + cols_per_block + 2 + gk_width);
+        let tc = (48 * 1024 / step_bytes).clamp(1, 32);
+        let ints = vec![d.b, d.t, d.h, d.dk, d.dv, r, rows, d.gated as usize, d.delta as usize];
+        (func, ints, tc, tc * step_bytes)
+    };
+    let ints: Vec<i32> = ints.into_iter().map(|v| v as i32).collect();
+    let tc = tc as i32;
+    let cfg = LaunchConfig { grid_dim, block_dim, shared_mem_bytes: smem as u32 };
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&x);
-    builder.arg(&s0);
-    builder.arg(&out);
+    builder.arg(&q).arg(&k).arg(&v).arg(&beta).arg(g).arg(gk).arg(&s0).arg(&out);
     for v in &ints {
         builder.arg(v);
     }
-    builder.arg(&d.scale);
-    let tc = tc as i32;
-    builder.arg(&tc);
-    // SAFETY: argument list matches `recurrence_N` in kernels.cu; buffers are sized above.
+    builder.arg(&scale).arg(&tc);
+    // SAFETY: argument list matches `recurrence_t*` / `recurrence_N_*` in kernels.cu (the same
+    // buffers, then their integer sizes, scale and chunk length); buffers are sized above.
     unsafe { builder.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }

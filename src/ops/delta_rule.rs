@@ -12,7 +12,7 @@
 //! re-computing states from checkpoints every `CHUNK` steps), so candle autograd can take
 //! gradients through it for the Grad selector.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 const CHUNK: usize = 64;
@@ -310,28 +310,86 @@ impl CustomOp1 for RecurrenceOp {
     }
 }
 
-/// The forward as one op over (packed inputs, initial state), output o [B,T,H,dv] followed by
-/// the final state [B,H,dk,dv], flat: [`forward_all`] on the CPU, one CUDA kernel on GPUs
-/// (`recurrence` in kernels.cu, the same sequential float32 math). Not differentiable.
-struct FusedOp(RecurrenceOp);
+/// The forward as one op over q, k, v (float32, contiguous [B,T,H,·]) with the other inputs
+/// held by the op, output o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat:
+/// [`forward_all`] on the packed inputs on the CPU; one CUDA kernel reading every input where
+/// it lies on GPUs (`recurrence` in kernels.cu, the same sequential float32 math), so nothing
+/// is packed there. Not differentiable.
+struct FusedOp {
+    op: RecurrenceOp,
+    /// [B,T,H] float32
+    beta: Tensor,
+    /// [B,T,H] float32, or `None`: no decay
+    g: Option<Tensor>,
+    /// [B,T,H,dk] float32 per-key-channel log decay
+    gk: Option<Tensor>,
+    /// [B,H,dk,dv] float32 initial state
+    s0: Tensor,
+}
 
-impl CustomOp2 for FusedOp {
+impl FusedOp {
+    fn dims(&self, q: &Shape) -> Result<Dims> {
+        let (b, t, h, dk) = q.dims4()?;
+        if h != self.op.h || dk != self.op.dk {
+            candle_core::bail!("recurrence: q has shape {q:?}, expected [B,T,{},{}]", self.op.h, self.op.dk);
+        }
+        Ok(Dims { b, t, h, dk, dv: self.op.dv, gk: self.op.gk })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout) -> Result<(&'a candle_core::CudaStorage, &'a Layout)> {
+    match s {
+        candle_core::Storage::Cuda(c) => Ok((c, l)),
+        _ => candle_core::bail!("recurrence: every input must be on the GPU"),
+    }
+}
+
+/// The values of a float32 tensor, on the host.
+fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+impl CustomOp3 for FusedOp {
     fn name(&self) -> &'static str {
         "statecut-recurrence-fused"
     }
 
-    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, s0: &CpuStorage, sl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let d = self.0.dims(xl.shape())?;
-        let (Some((xs, xe)), Some((ss, se))) = (xl.contiguous_offsets(), sl.contiguous_offsets()) else {
-            candle_core::bail!("recurrence: inputs must be contiguous")
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = self.dims(ql.shape())?;
+        let slice = |s: &CpuStorage, l: &Layout| -> Result<Vec<f32>> {
+            let Some((a, b)) = l.contiguous_offsets() else {
+                candle_core::bail!("recurrence: inputs must be contiguous")
+            };
+            Ok(s.as_slice::<f32>()?[a..b].to_vec())
         };
-        let (mut o, s) = forward_all(
-            &x.as_slice::<f32>()?[xs..xe],
-            d,
-            self.0.scale,
-            self.0.rule,
-            Some(&s0.as_slice::<f32>()?[ss..se]),
-        );
+        let (q, k, v) = (slice(q, ql)?, slice(k, kl)?, slice(v, vl)?);
+        let beta = cpu_f32(&self.beta)?;
+        let g = self.g.as_ref().map(cpu_f32).transpose()?;
+        let gk = self.gk.as_ref().map(cpu_f32).transpose()?;
+        // The [B,T,H,P] packing of `Recurrence::packed`, built here from the pieces.
+        let (dk, dv) = (d.dk, d.dv);
+        let mut x = Vec::with_capacity(d.b * d.t * d.h * d.p());
+        for i in 0..d.b * d.t * d.h {
+            x.extend_from_slice(&q[i * dk..(i + 1) * dk]);
+            x.extend_from_slice(&k[i * dk..(i + 1) * dk]);
+            x.extend_from_slice(&v[i * dv..(i + 1) * dv]);
+            x.push(beta[i]);
+            x.push(g.as_ref().map_or(0.0, |g| g[i]));
+            if let Some(gk) = &gk {
+                x.extend_from_slice(&gk[i * dk..(i + 1) * dk]);
+            }
+        }
+        let s0 = cpu_f32(&self.s0)?;
+        let (mut o, s) = forward_all(&x, d, self.op.scale, self.op.rule, Some(&s0));
         o.extend_from_slice(&s);
         let n = o.len();
         Ok((CpuStorage::F32(o), Shape::from(n)))
@@ -340,12 +398,14 @@ impl CustomOp2 for FusedOp {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        s0: &candle_core::CudaStorage,
-        sl: &Layout,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = self.0.dims(xl.shape())?;
+        let d = self.dims(ql.shape())?;
         let dims = super::cuda::RecurrenceDims {
             b: d.b,
             t: d.t,
@@ -353,10 +413,27 @@ impl CustomOp2 for FusedOp {
             dk: d.dk,
             dv: d.dv,
             gk: d.gk,
-            delta: self.0.rule == Rule::Delta,
-            scale: self.0.scale,
+            gated: self.g.is_some(),
+            delta: self.op.rule == Rule::Delta,
+            scale: self.op.scale,
         };
-        super::cuda::recurrence(x, xl, s0, sl, &dims)
+        // The op's other inputs are read where they lie (read locks, as candle takes for q/k/v).
+        let (beta, g, gk, s0) = (
+            self.beta.storage_and_layout(),
+            self.g.as_ref().map(|t| t.storage_and_layout()),
+            self.gk.as_ref().map(|t| t.storage_and_layout()),
+            self.s0.storage_and_layout(),
+        );
+        let inputs = super::cuda::RecurrenceInputs {
+            q: (q, ql),
+            k: (k, kl),
+            v: (v, vl),
+            beta: on_gpu(&beta.0, beta.1)?,
+            g: g.as_ref().map(|(s, l)| on_gpu(s, l)).transpose()?,
+            gk: gk.as_ref().map(|(s, l)| on_gpu(s, l)).transpose()?,
+            s0: on_gpu(&s0.0, s0.1)?,
+        };
+        super::cuda::recurrence(&inputs, &dims)
     }
 }
 
@@ -377,8 +454,7 @@ impl Kernel {
     /// recurrence (the Grad selector); the sequential kernel on the CPU, where the per-head loop
     /// is exact and fast for the model sizes that run there.
     /// `STATECUT_RECURRENCE=sequential|chunked|fused` overrides the choice (for benchmarks and
-    /// tests); per-key-channel decay (GLA) never takes the chunked form, and takes the fused
-    /// kernel only when asked.
+    /// tests); per-key-channel decay (GLA) never takes the chunked form.
     pub fn choose(rec: &Recurrence) -> Kernel {
         static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
         let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
@@ -391,9 +467,7 @@ impl Kernel {
             .into_iter()
             .flatten()
             .any(Tensor::track_op);
-        // Per-key-channel decay (GLA, SSE's partitions) stays on the sequential kernel unless
-        // asked for: the fused kernel's gk path is tested through its CPU twin only so far.
-        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() || rec.gk.is_some() {
+        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if rec.q.device().is_cpu() {
             Kernel::Sequential
         } else if tracked {
             Kernel::Chunked
@@ -487,16 +561,21 @@ impl Recurrence<'_> {
     pub fn fused_with_state(&self) -> Result<(Tensor, Tensor)> {
         let dev = self.q.device();
         let op = self.op()?;
-        let x = self.packed_on(dev)?;
-        let d = op.dims(x.shape())?;
+        let f = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32)?.contiguous();
+        let (b, t, h, _) = self.q.dims4()?;
         let s0 = match self.initial {
-            Some(s) => s.to_dtype(DType::F32)?.contiguous()?,
-            None => Tensor::zeros((d.b, d.h, d.dk, d.dv), DType::F32, dev)?,
+            Some(s) => f(s)?,
+            None => Tensor::zeros((b, h, op.dk, op.dv), DType::F32, dev)?,
         };
-        let out = x.apply_op2_no_bwd(&s0, &FusedOp(op))?;
-        let n = d.b * d.t * d.h * d.dv;
-        let o = out.narrow(0, 0, n)?.reshape((d.b, d.t, d.h, d.dv))?;
-        let s = out.narrow(0, n, d.b * d.h * d.dk * d.dv)?.reshape((d.b, d.h, d.dk, d.dv))?;
+        let fused =
+            FusedOp { beta: f(self.beta)?, g: self.g.map(f).transpose()?, gk: self.gk.map(f).transpose()?, s0, op };
+        let (q, k, v) = (f(self.q)?, f(self.k)?, f(self.v)?);
+        crate::profile::mark("recurrence: inputs to float32", dev);
+        let out = q.apply_op3_no_bwd(&k, &v, &fused)?;
+        let (dk, dv) = (fused.op.dk, fused.op.dv);
+        let n = b * t * h * dv;
+        let o = out.narrow(0, 0, n)?.reshape((b, t, h, dv))?;
+        let s = out.narrow(0, n, b * h * dk * dv)?.reshape((b, h, dk, dv))?;
         Ok((o, s))
     }
 
