@@ -16,6 +16,8 @@
 #   reference:NAME        scripts/reference_pipeline.py on the same tokens
 #   decode:NAME           decode ms/step, original vs statecut-pruned, with the library's kernels
 #   bench:NAME            statecut bench, original vs pruned (--compare)
+#   state:NAME            the recurrent-state update of a decode step alone, fla's fused recurrent
+#                         kernels, original vs pruned (scripts/state_step_bench.py)
 #   kernels:NAME          statecut eval throughput with the fused kernel vs the chunked recurrence
 #   profile:NAME          where statecut's calibration pass spends its time (STATECUT_PROFILE=1)
 set -u
@@ -68,7 +70,7 @@ for stage in "$@"; do
   name=${stage#*:}
   case $stage in
     statecut:*|reference:*|kernels:*|profile:*) ensure "$name" ;;
-    decode:*|bench:*) ensure "$name" pruned ;;
+    decode:*|bench:*|state:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -107,6 +109,10 @@ EOF
       $SC bench -m $CK/$name --compare $CK/$name-statecut --device cuda --dtype bf16 --prompt-len 512 \
         --batch-sizes 1,16,64 --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.log"
       echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
+    state:*)
+      python3 scripts/state_step_bench.py --models $CK/$name $CK/$name-statecut --batch-sizes 1,16,64 \
+        --json "$OUT/state_$name.json" > "$OUT/state_$name.log" 2>&1
+      tail -6 "$OUT/state_$name.log" ;;
     kernels:*)
       for k in ${KERNELS:-fused chunked}; do
         peak "$OUT/kernels_${name}_$k.log" env STATECUT_RECURRENCE=$k $SC eval -m $CK/$name --device cuda --dtype bf16 \

@@ -84,18 +84,19 @@ impl Reservoir {
             }
             self.on_device = Some(buf);
         }
-        // A slot written twice keeps the later row, as in `place`; scatter order is undefined.
-        let mut last = vec![usize::MAX; self.cap];
-        for (i, (_, slot)) in plan.iter().enumerate() {
-            last[*slot] = i;
+        if plan.is_empty() {
+            return Ok(());
         }
-        let (pos, slots): (Vec<u32>, Vec<u32>) =
-            last.iter().enumerate().filter(|(_, &i)| i != usize::MAX).map(|(s, &i)| (i as u32, s as u32)).unzip();
-        let m = pos.len();
-        let src = rows.index_select(&Tensor::from_vec(pos, m, dev)?, 0)?;
-        let idx = Tensor::from_vec(slots, (m, 1), dev)?.broadcast_as((m, self.width))?.contiguous()?;
-        let buf = self.on_device.as_ref().expect("allocated above");
-        buf.scatter_set(&idx, &src, 0)?;
+        // The new buffer is one gather from [old buffer; offered rows]: slot s takes its old row
+        // or, if written, the last row written to it (as in `place`). candle's scatter walks the
+        // written rows serially per column, which made this a large share of a calibration pass.
+        let mut from: Vec<u32> = (0..self.cap as u32).collect();
+        for (i, (_, slot)) in plan.iter().enumerate() {
+            from[*slot] = (self.cap + i) as u32;
+        }
+        let buf = self.on_device.take().expect("allocated above");
+        let both = Tensor::cat(&[&buf, &rows.to_dtype(buf.dtype())?], 0)?;
+        self.on_device = Some(both.index_select(&Tensor::from_vec(from, self.cap, dev)?, 0)?);
         Ok(())
     }
 
