@@ -180,3 +180,47 @@ pub fn conv(
     };
     Ok((out, Shape::from((b, t_out, c))))
 }
+
+/// Gated RMSNorm of rows [rows, n] of x and gate (one dtype) with a float32 weight [n]; output
+/// in x's dtype and shape.
+pub fn gated_rms(
+    x: &CudaStorage,
+    xl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    eps: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.device().clone();
+    let n = xl.shape().dims().last().copied().unwrap_or(1);
+    let rows = xl.shape().elem_count() / n.max(1);
+    let wv = view((w, wl), "gated norm weight")?;
+    // One warp per row, eight rows per block.
+    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let ints = [rows as i32, n as i32];
+    macro_rules! launch {
+        ($ty:ty, $name:literal) => {{
+            let (xs, xe) = contiguous(xl, "gated norm")?;
+            let (gs, ge) = contiguous(gl, "gated norm gate")?;
+            let xv = x.as_cuda_slice::<$ty>()?.slice(xs..xe);
+            let gv = g.as_cuda_slice::<$ty>()?.slice(gs..ge);
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes all rows x n outputs.
+            let out = unsafe { dev.alloc::<$ty>(rows * n)? };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps);
+            // SAFETY: argument list matches `gated_rms_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    let out = match x.dtype() {
+        DType::F32 => launch!(f32, "gated_rms_f32"),
+        DType::BF16 => launch!(half::bf16, "gated_rms_bf16"),
+        DType::F16 => launch!(half::f16, "gated_rms_f16"),
+        dt => candle_core::bail!("gated norm: unsupported dtype {dt:?}"),
+    };
+    Ok((out, xl.shape().clone()))
+}

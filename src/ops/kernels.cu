@@ -45,6 +45,39 @@ CONV(conv_silu_f32, float)
 CONV(conv_silu_bf16, __nv_bfloat16)
 CONV(conv_silu_f16, __half)
 
+// Gated RMSNorm over rows of width n: y = x / sqrt(mean(x²) + eps) · w · silu(g), in float32,
+// rounded once to T (fla FusedRMSNormGated, Qwen3.5's gated norm). One warp per row.
+template <typename T>
+__device__ void gated_rms(const T *__restrict__ x, const T *__restrict__ g, const float *__restrict__ w,
+                          T *__restrict__ y, int rows, int n, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const T *xr = x + (int64_t)row * n;
+  const T *gr = g + (int64_t)row * n;
+  T *yr = y + (int64_t)row * n;
+  float ss = 0.0f;
+  for (int i = lane; i < n; i += 32) {
+    const float v = to_f(xr[i]);
+    ss += v * v;
+  }
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const float inv = rsqrtf(ss / n + eps);
+  for (int i = lane; i < n; i += 32) {
+    const float gv = to_f(gr[i]);
+    yr[i] = from_f<T>(to_f(xr[i]) * inv * w[i] * (gv / (1.0f + expf(-gv))));
+  }
+}
+
+#define GATED_RMS(NAME, T)                                                                          \
+  extern "C" __global__ void NAME(const T *x, const T *g, const float *w, T *y, int rows, int n,    \
+                                  float eps) {                                                     \
+    gated_rms<T>(x, g, w, y, rows, n, eps);                                                         \
+  }
+GATED_RMS(gated_rms_f32, float)
+GATED_RMS(gated_rms_bf16, __nv_bfloat16)
+GATED_RMS(gated_rms_f16, __half)
+
 // The (gated) delta rule / linear attention recurrence of src/ops/delta_rule.rs, sequential in
 // time and float32 throughout, one thread block per (sequence, head, column tile of the state).
 //

@@ -1,6 +1,6 @@
 //! RMS and L2 normalisation, computed in float32 whatever the weight dtype.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// How a norm applies its weight: fla/mamba use `x̂·w`, Qwen3.5 decoder norms `x̂·(1+w)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,10 +61,93 @@ impl RmsNorm {
         y.to_dtype(dtype)
     }
 
-    /// Gated form used by fla `FusedRMSNormGated` and Qwen3.5: norm(x)·w·silu(gate), in float32.
+    /// Gated form used by fla `FusedRMSNormGated` and Qwen3.5: norm(x)·w·silu(gate), in float32,
+    /// returned in x's dtype. Off the CPU, when no gradient flows, one kernel ([`GatedRms`]).
     pub fn forward_gated(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        if x.device().is_cpu() || x.track_op() || gate.track_op() {
+            return self.forward_gated_ops(x, gate);
+        }
+        let gate = gate.to_dtype(x.dtype())?.contiguous()?;
+        x.contiguous()?.apply_op3_no_bwd(&gate, &self.weight, &GatedRms { eps: self.eps as f32 })
+    }
+
+    /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
+    fn forward_gated_ops(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
         let g = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
-        (self.forward(&x.to_dtype(DType::F32)?)? * g)?.to_dtype(x.dtype())
+        (self.forward_ops(&x.to_dtype(DType::F32)?)? * g)?.to_dtype(x.dtype())
+    }
+}
+
+/// The gated RMSNorm as one op over (x, gate, float32 weight): rows of the last dimension,
+/// float32 inside, one rounding to x's dtype. The CPU half defines it; the CUDA half is
+/// `gated_rms` in kernels.cu.
+struct GatedRms {
+    eps: f32,
+}
+
+impl GatedRms {
+    fn rows<T: WithDType>(&self, x: &[T], g: &[T], w: &[f32]) -> Vec<T> {
+        let n = w.len();
+        let mut y = Vec::with_capacity(x.len());
+        for (xr, gr) in x.chunks_exact(n).zip(g.chunks_exact(n)) {
+            let ss: f32 = xr.iter().map(|v| (v.to_f64() as f32).powi(2)).sum();
+            let inv = 1.0 / (ss / n as f32 + self.eps).sqrt();
+            for ((xv, gv), wv) in xr.iter().zip(gr).zip(w) {
+                let gv = gv.to_f64() as f32;
+                y.push(T::from_f64((xv.to_f64() as f32 * inv * wv * (gv / (1.0 + (-gv).exp()))) as f64));
+            }
+        }
+        y
+    }
+}
+
+impl CustomOp3 for GatedRms {
+    fn name(&self) -> &'static str {
+        "statecut-gated-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let slice = |lay: &Layout| {
+            lay.contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg("gated norm: input must be contiguous".into()))
+        };
+        let ((xs, xe), (gs, ge), (ws, we)) = (slice(xl)?, slice(gl)?, slice(wl)?);
+        let CpuStorage::F32(w) = w else { candle_core::bail!("gated norm: the weight must be float32") };
+        let w = &w[ws..we];
+        if xl.shape().dims().last() != Some(&w.len()) || gl.shape() != xl.shape() {
+            candle_core::bail!("gated norm: x {:?}, gate {:?}, weight [{}]", xl.shape(), gl.shape(), w.len());
+        }
+        let out = match (x, g) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(self.rows(&x[xs..xe], &g[gs..ge], w)),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(self.rows(&x[xs..xe], &g[gs..ge], w)),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(self.rows(&x[xs..xe], &g[gs..ge], w)),
+            _ => candle_core::bail!("gated norm: x and gate must share a float dtype"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if gl.shape() != xl.shape() || xl.shape().dims().last() != Some(&wl.shape().elem_count()) {
+            candle_core::bail!("gated norm: x {:?}, gate {:?}, weight {:?}", xl.shape(), gl.shape(), wl.shape());
+        }
+        super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps)
     }
 }
 
@@ -119,5 +202,22 @@ mod tests {
         let half = w.to_dtype(DType::BF16).unwrap();
         assert!(RmsNorm::new(half.clone(), 1e-5, NormWeight::Plain).unwrap().native.is_some());
         assert!(RmsNorm::new(half, 1e-5, NormWeight::OnePlus).unwrap().native.is_none());
+    }
+
+    /// The gated-norm op (whose CPU half is the reference for its CUDA kernel) matches the
+    /// separate float32 ops, in float32 and, to one bf16 rounding, in bf16.
+    #[test]
+    fn gated_norm_op_matches_separate_ops() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 7, 3, 64), &dev).unwrap();
+        let gate = Tensor::randn(0f32, 2.0, (2, 7, 3, 64), &dev).unwrap();
+        let norm = RmsNorm::new(Tensor::randn(1f32, 0.1, 64, &dev).unwrap(), 1e-6, NormWeight::Plain).unwrap();
+        let op = GatedRms { eps: 1e-6 };
+        let fused = x.apply_op3_no_bwd(&gate, &norm.weight, &op).unwrap();
+        assert!(max_rel(&fused, &norm.forward_gated_ops(&x, &gate).unwrap()) < 1e-6);
+        let (xb, gb) = (x.to_dtype(DType::BF16).unwrap(), gate.to_dtype(DType::BF16).unwrap());
+        let fused = xb.apply_op3_no_bwd(&gb, &norm.weight, &op).unwrap().to_dtype(DType::F32).unwrap();
+        let ops = norm.forward_gated_ops(&xb, &gb).unwrap().to_dtype(DType::F32).unwrap();
+        assert!(max_rel(&fused, &ops) < 1e-2);
     }
 }
