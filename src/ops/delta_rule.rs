@@ -345,6 +345,24 @@ fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout) -> Result<(&'a candle_
     }
 }
 
+/// The packed [B,T,H,P] layout of the CPU kernels, q | k | v | beta | g | gk per token and head,
+/// from row-major [B,T,H,·] inputs (g = 0, no decay, when absent).
+fn pack(d: Dims, q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: Option<&[f32]>, gk: Option<&[f32]>) -> Vec<f32> {
+    let (dk, dv) = (d.dk, d.dv);
+    let mut x = Vec::with_capacity(d.b * d.t * d.h * d.p());
+    for i in 0..d.b * d.t * d.h {
+        x.extend_from_slice(&q[i * dk..(i + 1) * dk]);
+        x.extend_from_slice(&k[i * dk..(i + 1) * dk]);
+        x.extend_from_slice(&v[i * dv..(i + 1) * dv]);
+        x.push(beta[i]);
+        x.push(g.map_or(0.0, |g| g[i]));
+        if let Some(gk) = gk {
+            x.extend_from_slice(&gk[i * dk..(i + 1) * dk]);
+        }
+    }
+    x
+}
+
 /// The values of a float32 tensor, on the host.
 fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
@@ -375,19 +393,7 @@ impl CustomOp3 for FusedOp {
         let beta = cpu_f32(&self.beta)?;
         let g = self.g.as_ref().map(cpu_f32).transpose()?;
         let gk = self.gk.as_ref().map(cpu_f32).transpose()?;
-        // The [B,T,H,P] packing of `Recurrence::packed`, built here from the pieces.
-        let (dk, dv) = (d.dk, d.dv);
-        let mut x = Vec::with_capacity(d.b * d.t * d.h * d.p());
-        for i in 0..d.b * d.t * d.h {
-            x.extend_from_slice(&q[i * dk..(i + 1) * dk]);
-            x.extend_from_slice(&k[i * dk..(i + 1) * dk]);
-            x.extend_from_slice(&v[i * dv..(i + 1) * dv]);
-            x.push(beta[i]);
-            x.push(g.as_ref().map_or(0.0, |g| g[i]));
-            if let Some(gk) = &gk {
-                x.extend_from_slice(&gk[i * dk..(i + 1) * dk]);
-            }
-        }
+        let x = pack(d, &q, &k, &v, &beta, g.as_deref(), gk.as_deref());
         let s0 = cpu_f32(&self.s0)?;
         let (mut o, s) = forward_all(&x, d, self.op.scale, self.op.rule, Some(&s0));
         o.extend_from_slice(&s);
@@ -524,22 +530,15 @@ pub struct Recurrence<'a> {
 }
 
 impl Recurrence<'_> {
+    /// The [B, T, H, P] float32 packing of every input, on the host.
     fn packed(&self) -> Result<Tensor> {
-        self.packed_on(&Device::Cpu)
-    }
-
-    /// The [B, T, H, P] float32 packing of every input, on `dev`.
-    fn packed_on(&self, dev: &Device) -> Result<Tensor> {
-        let f = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32);
-        let g = match self.g {
-            Some(g) => f(g)?,
-            None => Tensor::zeros(self.beta.shape(), DType::F32, dev)?,
-        };
-        let mut parts = vec![f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?];
-        if let Some(gk) = self.gk {
-            parts.push(f(gk)?);
-        }
-        Tensor::cat(&parts, 3)?.contiguous()
+        let host = |t: &Tensor| cpu_f32(&t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
+        let (b, t, h, dk) = self.q.dims4()?;
+        let d = Dims { b, t, h, dk, dv: self.v.dim(3)?, gk: self.gk.is_some() };
+        let g = self.g.map(host).transpose()?;
+        let gk = self.gk.map(host).transpose()?;
+        let x = pack(d, &host(self.q)?, &host(self.k)?, &host(self.v)?, &host(self.beta)?, g.as_deref(), gk.as_deref());
+        Tensor::from_vec(x, (b, t, h, d.p()), &Device::Cpu)
     }
 
     fn op(&self) -> Result<RecurrenceOp> {
