@@ -328,12 +328,22 @@ struct FusedOp {
 }
 
 impl FusedOp {
-    fn dims(&self, q: &Shape) -> Result<Dims> {
+    /// The sizes, once every input is checked against them: the kernels index by them alone.
+    fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
         let (b, t, h, dk) = q.dims4()?;
-        if h != self.op.h || dk != self.op.dk {
-            candle_core::bail!("recurrence: q has shape {q:?}, expected [B,T,{},{}]", self.op.h, self.op.dk);
+        let dv = self.op.dv;
+        let ok = h == self.op.h
+            && dk == self.op.dk
+            && k.dims() == [b, t, h, dk]
+            && v.dims() == [b, t, h, dv]
+            && self.beta.dims() == [b, t, h]
+            && self.g.as_ref().is_none_or(|g| g.dims() == [b, t, h])
+            && self.gk.as_ref().is_none_or(|g| g.dims() == [b, t, h, dk])
+            && self.s0.dims() == [b, h, dk, dv];
+        if !ok {
+            candle_core::bail!("recurrence: inputs of mismatched shapes (q {q:?}, k {k:?}, v {v:?})");
         }
-        Ok(Dims { b, t, h, dk, dv: self.op.dv, gk: self.op.gk })
+        Ok(Dims { b, t, h, dk, dv, gk: self.op.gk })
     }
 }
 
@@ -382,7 +392,7 @@ impl CustomOp3 for FusedOp {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let d = self.dims(ql.shape())?;
+        let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
         let slice = |s: &CpuStorage, l: &Layout| -> Result<Vec<f32>> {
             let Some((a, b)) = l.contiguous_offsets() else {
                 candle_core::bail!("recurrence: inputs must be contiguous")
@@ -411,7 +421,7 @@ impl CustomOp3 for FusedOp {
         v: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = self.dims(ql.shape())?;
+        let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
         let dims = super::cuda::RecurrenceDims {
             b: d.b,
             t: d.t,

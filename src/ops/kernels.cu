@@ -80,10 +80,11 @@ GATED_RMS(gated_rms_f16, __half)
 
 // The (gated) delta rule / linear attention recurrence of src/ops/delta_rule.rs, sequential in
 // time and float32 throughout, one thread block per (sequence, head, column tile of the state).
+// This general kernel serves key widths `recurrence_tiled` below has no instance for.
 //
 // Inputs, float32 and contiguous: q, k [B, T, H, dk], v [B, T, H, dv], beta, g [B, T, H] (g
-// read only when `gated`, else no decay), gk [B, T, H, dk] (only when GK). Each state column j (a value channel) is held by R
-// threads of one warp, thread r owning key rows r, r+R, r+2R, ... in registers, so a step needs
+// read only when `gated`, else no decay), gk [B, T, H, dk] (only when GK). Each state column j
+// (a value channel) is held by R threads of one warp, thread r owning key rows r, r+R, r+2R, ... in registers, so a step needs
 // no barrier: two warp-shuffle reductions over the R threads (S'ᵀk and Sᵀq). The block stages
 // `tc` time steps of its inputs in shared memory at a time with coalesced loads, which takes the
 // global-memory latency off the per-step critical path; interleaved rows keep the R threads of a
