@@ -356,7 +356,8 @@ fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout) -> Result<(&'a candle_
 }
 
 /// The packed [B,T,H,P] layout of the CPU kernels, q | k | v | beta | g | gk per token and head,
-/// from row-major [B,T,H,·] inputs (g = 0, no decay, when absent).
+/// from row-major [B,T,H,·] inputs (g = 0, no decay, when absent): `Recurrence::packed` on
+/// slices, for the fused op's CPU half, where no gradient flows.
 fn pack(d: Dims, q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: Option<&[f32]>, gk: Option<&[f32]>) -> Vec<f32> {
     let (dk, dv) = (d.dk, d.dv);
     let mut x = Vec::with_capacity(d.b * d.t * d.h * d.p());
@@ -540,15 +541,20 @@ pub struct Recurrence<'a> {
 }
 
 impl Recurrence<'_> {
-    /// The [B, T, H, P] float32 packing of every input, on the host.
+    /// The [B, T, H, P] float32 packing of every input, on the host, in candle ops so that
+    /// gradients flow back through it to q, k, v, beta and the gates (the sequential kernel's
+    /// backward gives the gradient of the packed input). [`pack`] is the same layout from slices.
     fn packed(&self) -> Result<Tensor> {
-        let host = |t: &Tensor| cpu_f32(&t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?);
-        let (b, t, h, dk) = self.q.dims4()?;
-        let d = Dims { b, t, h, dk, dv: self.v.dim(3)?, gk: self.gk.is_some() };
-        let g = self.g.map(host).transpose()?;
-        let gk = self.gk.map(host).transpose()?;
-        let x = pack(d, &host(self.q)?, &host(self.k)?, &host(self.v)?, &host(self.beta)?, g.as_deref(), gk.as_deref());
-        Tensor::from_vec(x, (b, t, h, d.p()), &Device::Cpu)
+        let f = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let g = match self.g {
+            Some(g) => f(g)?,
+            None => Tensor::zeros(self.beta.shape(), DType::F32, &Device::Cpu)?,
+        };
+        let mut parts = vec![f(self.q)?, f(self.k)?, f(self.v)?, f(self.beta)?.unsqueeze(3)?, g.unsqueeze(3)?];
+        if let Some(gk) = self.gk {
+            parts.push(f(gk)?);
+        }
+        Tensor::cat(&parts, 3)?.contiguous()
     }
 
     fn op(&self) -> Result<RecurrenceOp> {
