@@ -141,9 +141,7 @@ impl CustomOp3 for FusedConv {
     ) -> Result<(CpuStorage, Shape)> {
         let (b, l, c) = xl.shape().dims3()?;
         let k = wl.shape().dims2()?.1;
-        let slice = |lay: &Layout| {
-            lay.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("conv: input must be contiguous".into()))
-        };
+        let slice = |lay: &Layout| super::contiguous(lay, "conv");
         let ((xs, xe), (ws, we), (bs, be)) = (slice(xl)?, slice(wl)?, slice(bl)?);
         let dims = (b, l, c, k);
         let out = match (x, w, bias) {

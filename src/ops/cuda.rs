@@ -3,10 +3,11 @@
 //! Each launcher is the `cuda_fwd` half of a custom op whose CPU half, in the op's own module,
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
+use super::contiguous;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -28,10 +29,6 @@ fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     module.load_function(name).w()
 }
 
-fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {
-    layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what}: input must be contiguous")))
-}
-
 /// Sizes of one recurrence launch (see `recurrence` in kernels.cu).
 pub struct RecurrenceDims {
     pub b: usize,
@@ -39,15 +36,13 @@ pub struct RecurrenceDims {
     pub h: usize,
     pub dk: usize,
     pub dv: usize,
-    pub gk: bool,
-    /// A per-step decay g is given (else g = 0, decay 1, and the kernel skips it).
-    pub gated: bool,
     pub delta: bool,
     pub scale: f32,
 }
 
 /// The inputs of one recurrence launch, each float32 and contiguous: q, k [B,T,H,dk],
-/// v [B,T,H,dv], beta and g [B,T,H], gk [B,T,H,dk], s0 [B,H,dk,dv].
+/// v [B,T,H,dv], beta and g [B,T,H], gk [B,T,H,dk], s0 [B,H,dk,dv]. Without g there is no
+/// per-step decay (the kernel skips it); without gk no per-channel decay.
 pub struct RecurrenceInputs<'a> {
     pub q: (&'a CudaStorage, &'a Layout),
     pub k: (&'a CudaStorage, &'a Layout),
@@ -58,21 +53,24 @@ pub struct RecurrenceInputs<'a> {
     pub s0: (&'a CudaStorage, &'a Layout),
 }
 
-/// The float32 view of a contiguous input.
-fn view<'a>((s, l): (&'a CudaStorage, &Layout), what: &str) -> Result<CudaView<'a, f32>> {
+/// The view of a contiguous input as elements of T.
+fn view<'a, T: CudaDType>((s, l): (&'a CudaStorage, &Layout), what: &str) -> Result<CudaView<'a, T>> {
     let (a, b) = contiguous(l, what)?;
-    Ok(s.as_cuda_slice::<f32>()?.slice(a..b))
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
 /// o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat.
 pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaStorage, Shape)> {
     let dev = inp.q.0.device().clone();
-    let (q, k, v) = (view(inp.q, "recurrence q")?, view(inp.k, "recurrence k")?, view(inp.v, "recurrence v")?);
-    let (beta, s0) = (view(inp.beta, "recurrence beta")?, view(inp.s0, "recurrence state")?);
+    let f32_view = |x, what| view::<f32>(x, what);
+    let (q, k, v) =
+        (f32_view(inp.q, "recurrence q")?, f32_view(inp.k, "recurrence k")?, f32_view(inp.v, "recurrence v")?);
+    let (beta, s0) = (f32_view(inp.beta, "recurrence beta")?, f32_view(inp.s0, "recurrence state")?);
+    let (gated, has_gk) = (inp.g.is_some(), inp.gk.is_some());
     // Absent inputs are never read (the kernel instance or the `gated` flag says so); beta
     // stands in for their pointers.
-    let g = inp.g.map(|g| view(g, "recurrence g")).transpose()?;
-    let gk = inp.gk.map(|g| view(g, "recurrence gk")).transpose()?;
+    let g = inp.g.map(|g| f32_view(g, "recurrence g")).transpose()?;
+    let gk = inp.gk.map(|g| f32_view(g, "recurrence gk")).transpose()?;
     let (g, gk) = (g.as_ref().unwrap_or(&beta), gk.as_ref().unwrap_or(&beta));
     // R threads share a state column, each holding `rows` ≤ 32 key rows in registers.
     let r = d.dk.div_ceil(32).next_power_of_two().min(32);
@@ -86,7 +84,7 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaSto
     // 8 warps: every block stages all of q and k for its columns, so wide blocks read less.
     let warps = 8;
     let cols_per_block = warps * (32 / r);
-    let gk_width = if d.gk { d.dk } else { 0 };
+    let gk_width = if has_gk { d.dk } else { 0 };
     let stream = dev.cuda_stream();
     let grid_dim = (d.dv.div_ceil(cols_per_block) as u32, (d.b * d.h) as u32, 1);
     let block_dim = (32 * warps as u32, 1, 1);
@@ -98,18 +96,18 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaSto
         // Two buffers of `tc` padded steps (see `recurrence_tiled`) in the default 48 KiB.
         let step_bytes = 4 * (2 * d.dk + gk_width + cols_per_block + 2).div_ceil(4) * 4;
         let tc = (24 * 1024 / step_bytes).clamp(1, 32);
-        let decay = if d.gk { 2 } else { d.gated as u8 };
+        let decay = if has_gk { 2 } else { gated as u8 };
         let func = function(&dev, &format!("recurrence_t{rows}_{r}_{decay}"))?;
         (func, vec![d.b, d.t, d.h, d.dv, d.delta as usize], tc, 2 * tc * step_bytes)
     } else {
         let maxr = [8, 16, 32].into_iter().find(|&m| rows <= m).unwrap_or(32);
         // Specialised for per-channel decay and for rows that need no bounds check (dk = R · MAXR).
         let full = rows == maxr && r * rows == d.dk;
-        let func = function(&dev, &format!("recurrence_{maxr}_{}{}", d.gk as u8, full as u8))?;
+        let func = function(&dev, &format!("recurrence_{maxr}_{}{}", has_gk as u8, full as u8))?;
         // Time steps staged in shared memory per chunk: as many as fit the default 48 KiB, ≤ 32.
         let step_bytes = 4 * (2 * d.dk + cols_per_block + 2 + gk_width);
         let tc = (48 * 1024 / step_bytes).clamp(1, 32);
-        let ints = vec![d.b, d.t, d.h, d.dk, d.dv, r, rows, d.gated as usize, d.delta as usize];
+        let ints = vec![d.b, d.t, d.h, d.dk, d.dv, r, rows, gated as usize, d.delta as usize];
         (func, ints, tc, tc * step_bytes)
     };
     let ints: Vec<i32> = ints.into_iter().map(|v| v as i32).collect();
@@ -149,12 +147,9 @@ pub fn conv(
     let cfg = LaunchConfig::for_num_elems(n as u32);
     macro_rules! launch {
         ($ty:ty, $name:literal) => {{
-            let (xs, xe) = contiguous(xl, "conv")?;
-            let (ws, we) = contiguous(wl, "conv weight")?;
-            let (bs, be) = contiguous(bl, "conv bias")?;
-            let xv = x.as_cuda_slice::<$ty>()?.slice(xs..xe);
-            let wv = w.as_cuda_slice::<$ty>()?.slice(ws..we);
-            let bv = bias.as_cuda_slice::<$ty>()?.slice(bs..be);
+            let xv = view::<$ty>((x, xl), "conv")?;
+            let wv = view::<$ty>((w, wl), "conv weight")?;
+            let bv = view::<$ty>((bias, bl), "conv bias")?;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes all n outputs.
             let out = unsafe { dev.alloc::<$ty>(n)? };
@@ -195,16 +190,14 @@ pub fn gated_rms(
     let dev = x.device().clone();
     let n = xl.shape().dims().last().copied().unwrap_or(1);
     let rows = xl.shape().elem_count() / n.max(1);
-    let wv = view((w, wl), "gated norm weight")?;
+    let wv = view::<f32>((w, wl), "gated norm weight")?;
     // One warp per row, eight rows per block.
     let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
         ($ty:ty, $name:literal) => {{
-            let (xs, xe) = contiguous(xl, "gated norm")?;
-            let (gs, ge) = contiguous(gl, "gated norm gate")?;
-            let xv = x.as_cuda_slice::<$ty>()?.slice(xs..xe);
-            let gv = g.as_cuda_slice::<$ty>()?.slice(gs..ge);
+            let xv = view::<$ty>((x, xl), "gated norm")?;
+            let gv = view::<$ty>((g, gl), "gated norm gate")?;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes all rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(rows * n)? };

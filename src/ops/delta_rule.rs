@@ -286,9 +286,7 @@ impl CustomOp1 for RecurrenceOp {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = self.dims(layout.shape())?;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("recurrence: input must be contiguous")
-        };
+        let (start, end) = super::contiguous(layout, "recurrence")?;
         let x = &storage.as_slice::<f32>()?[start..end];
         let (o, _) = forward_all(x, d, self.scale, self.rule, None);
         Ok((CpuStorage::F32(o), Shape::from((d.b, d.t, d.h, d.dv))))
@@ -395,9 +393,7 @@ impl CustomOp3 for FusedOp {
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
         let slice = |s: &CpuStorage, l: &Layout| -> Result<Vec<f32>> {
-            let Some((a, b)) = l.contiguous_offsets() else {
-                candle_core::bail!("recurrence: inputs must be contiguous")
-            };
+            let (a, b) = super::contiguous(l, "recurrence")?;
             Ok(s.as_slice::<f32>()?[a..b].to_vec())
         };
         let (q, k, v) = (slice(q, ql)?, slice(k, kl)?, slice(v, vl)?);
@@ -429,8 +425,6 @@ impl CustomOp3 for FusedOp {
             h: d.h,
             dk: d.dk,
             dv: d.dv,
-            gk: d.gk,
-            gated: self.g.is_some(),
             delta: self.op.rule == Rule::Delta,
             scale: self.op.scale,
         };

@@ -163,7 +163,7 @@ __device__ void recurrence(const float *__restrict__ q, const float *__restrict_
       // shared-memory loads can be issued ahead of the arithmetic that uses them.
       float kk[MAXR];
       // Four partial sums shorten the dependent FMA chains from MAXR to MAXR / 4.
-      float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+      float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int m = 0; m < MAXR; m++) {
         const int i = m * R + r;
@@ -174,28 +174,20 @@ __device__ void recurrence(const float *__restrict__ q, const float *__restrict_
         } else {
           s[m] *= a;
         }
-        const float d = s[m] * kk[m];
-        if ((m & 3) == 0) p0 += d;
-        else if ((m & 3) == 1) p1 += d;
-        else if ((m & 3) == 2) p2 += d;
-        else p3 += d;
+        p[m & 3] += s[m] * kk[m];
       }
-      float pred = (p0 + p1) + (p2 + p3);
+      float pred = (p[0] + p[1]) + (p[2] + p[3]);
       for (int off = 1; off < R; off <<= 1) pred += __shfl_xor_sync(0xffffffffu, pred, off);
       const float u = delta ? beta * (v - pred) : beta * v;
-      p0 = p1 = p2 = p3 = 0.0f;
+      p[0] = p[1] = p[2] = p[3] = 0.0f;
 #pragma unroll
       for (int m = 0; m < MAXR; m++) {
         const int i = m * R + r;
         const bool in = FULL || (m < rows && i < dk);
         s[m] += kk[m] * u;
-        const float d = s[m] * (in ? xs[i] : 0.0f);
-        if ((m & 3) == 0) p0 += d;
-        else if ((m & 3) == 1) p1 += d;
-        else if ((m & 3) == 2) p2 += d;
-        else p3 += d;
+        p[m & 3] += s[m] * (in ? xs[i] : 0.0f);
       }
-      float acc = (p0 + p1) + (p2 + p3);
+      float acc = (p[0] + p[1]) + (p[2] + p[3]);
       for (int off = 1; off < R; off <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
       if (r == 0 && valid) out[(((int64_t)b * T + t0 + st) * H + h) * dv + col] = scale * acc;
     }

@@ -8,7 +8,7 @@ pub mod delta_rule;
 pub mod mlp;
 pub mod norm;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Layout, Result, Tensor};
 
 /// softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for large |x|.
 pub fn softplus(x: &Tensor) -> Result<Tensor> {
@@ -22,4 +22,10 @@ pub fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
     }
     let (b, t, h, d) = x.dims4()?;
     x.unsqueeze(3)?.broadcast_as((b, t, h, r, d))?.reshape((b, t, h * r, d))
+}
+
+/// The storage range of a contiguous layout, for the custom ops' CPU and CUDA halves; an error
+/// naming `what` otherwise.
+pub(crate) fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {
+    layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what}: input must be contiguous")))
 }

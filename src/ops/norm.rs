@@ -86,6 +86,14 @@ struct GatedRms {
 }
 
 impl GatedRms {
+    /// x and gate of one shape, the weight as wide as their last dimension.
+    fn check(xl: &Layout, gl: &Layout, wl: &Layout) -> Result<()> {
+        if gl.shape() != xl.shape() || xl.shape().dims().last() != Some(&wl.shape().elem_count()) {
+            candle_core::bail!("gated norm: x {:?}, gate {:?}, weight {:?}", xl.shape(), gl.shape(), wl.shape());
+        }
+        Ok(())
+    }
+
     fn rows<T: WithDType>(&self, x: &[T], g: &[T], w: &[f32]) -> Vec<T> {
         let n = w.len();
         let mut y = Vec::with_capacity(x.len());
@@ -115,16 +123,11 @@ impl CustomOp3 for GatedRms {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let slice = |lay: &Layout| {
-            lay.contiguous_offsets()
-                .ok_or_else(|| candle_core::Error::Msg("gated norm: input must be contiguous".into()))
-        };
+        Self::check(xl, gl, wl)?;
+        let slice = |lay: &Layout| super::contiguous(lay, "gated norm");
         let ((xs, xe), (gs, ge), (ws, we)) = (slice(xl)?, slice(gl)?, slice(wl)?);
         let CpuStorage::F32(w) = w else { candle_core::bail!("gated norm: the weight must be float32") };
         let w = &w[ws..we];
-        if xl.shape().dims().last() != Some(&w.len()) || gl.shape() != xl.shape() {
-            candle_core::bail!("gated norm: x {:?}, gate {:?}, weight [{}]", xl.shape(), gl.shape(), w.len());
-        }
         let out = match (x, g) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(self.rows(&x[xs..xe], &g[gs..ge], w)),
             (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(self.rows(&x[xs..xe], &g[gs..ge], w)),
@@ -144,9 +147,7 @@ impl CustomOp3 for GatedRms {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if gl.shape() != xl.shape() || xl.shape().dims().last() != Some(&wl.shape().elem_count()) {
-            candle_core::bail!("gated norm: x {:?}, gate {:?}, weight {:?}", xl.shape(), gl.shape(), wl.shape());
-        }
+        Self::check(xl, gl, wl)?;
         super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps)
     }
 }
