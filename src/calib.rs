@@ -37,12 +37,18 @@ impl Reservoir {
         self.rows.is_empty()
     }
 
+    /// Slots filled so far: the host rows, or more once plans have run ahead of them (rows
+    /// placed on a device reach `rows` only at [`Self::sync`]).
+    fn slots(&self) -> usize {
+        self.len().max(self.planned)
+    }
+
     /// Where each of `n` offered rows goes: (row, slot), slot == current length meaning append;
     /// rows not kept are absent. It depends only on counts and the RNG, never on the values, so
     /// the kept rows can be picked on the device before anything is copied to the host. Several
     /// plans may be made before their rows are placed, as long as they are placed in order.
     pub fn plan(&mut self, n: usize, rng: &mut StdRng) -> Vec<(usize, usize)> {
-        let mut len = self.len().max(self.planned);
+        let mut len = self.slots();
         let mut out = Vec::new();
         for r in 0..n {
             if len < self.cap {
@@ -103,8 +109,7 @@ impl Reservoir {
     /// Copy rows held on a GPU into `rows`.
     pub fn sync(&mut self) -> Result<()> {
         if let Some(buf) = &self.on_device {
-            let n = self.len().max(self.planned);
-            self.rows = host_f32(&buf.narrow(0, 0, n)?)?;
+            self.rows = host_f32(&buf.narrow(0, 0, self.slots())?)?;
         }
         Ok(())
     }

@@ -24,6 +24,14 @@ pub fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
     x.unsqueeze(3)?.broadcast_as((b, t, h, r, d))?.reshape((b, t, h * r, d))
 }
 
+/// Whether one of this module's fused custom ops may stand in for separate candle ops on
+/// `inputs` (the first decides the device): never on the CPU, where the separate ops are the
+/// path and the fused ops' reference, nor when a gradient must flow through any input, as the
+/// fused ops have no backward.
+pub(crate) fn fusable(inputs: &[&Tensor]) -> bool {
+    inputs.first().is_some_and(|x| !x.device().is_cpu()) && !inputs.iter().any(|t| t.track_op())
+}
+
 /// The storage range of a contiguous layout, for the custom ops' CPU and CUDA halves; an error
 /// naming `what` otherwise.
 pub(crate) fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {

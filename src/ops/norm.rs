@@ -40,7 +40,7 @@ impl RmsNorm {
     /// is exact in x's dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // candle's fused kernel has no backward: the Grad selector's pass takes the ops.
-        if x.device().is_cpu() || x.track_op() {
+        if !super::fusable(&[x]) {
             return self.forward_ops(x);
         }
         let eps = self.eps as f32;
@@ -64,7 +64,7 @@ impl RmsNorm {
     /// Gated form used by fla `FusedRMSNormGated` and Qwen3.5: norm(x)·w·silu(gate), in float32,
     /// returned in x's dtype. Off the CPU, when no gradient flows, one kernel ([`GatedRms`]).
     pub fn forward_gated(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        if x.device().is_cpu() || x.track_op() || gate.track_op() {
+        if !super::fusable(&[x, gate]) {
             return self.forward_gated_ops(x, gate);
         }
         let gate = gate.to_dtype(x.dtype())?.contiguous()?;
@@ -155,7 +155,7 @@ impl CustomOp3 for GatedRms {
 /// x / sqrt(Σx² + eps) over the last dimension (fla's l2norm puts eps inside the sqrt),
 /// computed in float32 and returned in x's dtype; fused off the CPU unless a gradient flows.
 pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
-    if x.device().is_cpu() || x.track_op() {
+    if !super::fusable(&[x]) {
         l2_norm_ops(x, eps)
     } else {
         l2_norm_fused(x, eps)
