@@ -9,6 +9,11 @@ the GPU, and compare its perplexity with statecut's (same windows, same tokens).
 
 Run on a GPU machine with torch, transformers and flash-linear-attention installed:
     python3 scripts/verify_reload.py --bin target/release/statecut --shared ../shared --out reload/
+The Qwen3.5/3.6 MoE fixtures (the multimodal wrapper is reloaded as
+Qwen3_5MoeForConditionalGeneration, the class its config names), on the CPU:
+    python3 scripts/verify_reload.py --bin target/release/statecut --shared ../shared --out reload-moe/ \
+        --model-dirs tests/fixtures/qwen3_5_moe,tests/fixtures/qwen3_5_moe_text --device cpu \
+        --methods swanda,drrqr --nsamples 8 --seqlen 512 --windows 16
 Writes reload.jsonl (one record per checkpoint) and reload.md (a table) under --out; exits non-zero
 if any checkpoint fails to load or differs by more than --tol (relative).
 """
@@ -49,11 +54,11 @@ def windows(tokenizer_dir, data, seqlen, n, eos):
 
 
 @torch.no_grad()
-def perplexity(model, wins, autocast):
+def perplexity(model, wins, autocast, device):
     nll, count = 0.0, 0
     for w in wins:
-        x = torch.tensor([w], device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        x = torch.tensor([w], device=device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=x[:, :-1]).logits.float()
         nll += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
         count += x.shape[1] - 1
@@ -69,7 +74,7 @@ def key_widths(model, cfg):
     if mt == "mamba2":
         mixer = model.backbone.layers[0].mixer
         return mixer.ssm_state_size, mixer.head_dim
-    if mt in ("qwen3_5_text", "qwen3_5", "qwen3_next"):
+    if mt in ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"):
         layers = model.model.layers if hasattr(model.model, "layers") else model.model.language_model.layers
         for layer in layers:
             if hasattr(layer, "linear_attn"):
@@ -84,6 +89,8 @@ def main():
     ap.add_argument("--out", required=True, help="where reload.jsonl and reload.md go")
     ap.add_argument("--work", help="where pruned checkpoints go (default: a temporary directory)")
     ap.add_argument("--models", default="delta_net,gated_deltanet")
+    ap.add_argument("--model-dirs", help="model directories to use instead of --models (names under shared/models)")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--ratios", default=",".join(RATIOS))
     ap.add_argument("--nsamples", default="16")
@@ -110,13 +117,14 @@ def main():
     calibf = os.path.join(a.shared, "data", "calib", "wiki.jsonl")
     records, failures = [], 0
     jl = open(os.path.join(a.out, "reload.jsonl"), "w")
-    for m in a.models.split(","):
-        mdir = os.path.join(a.shared, "models", m)
+    mdirs = a.model_dirs.split(",") if a.model_dirs else [os.path.join(a.shared, "models", m) for m in a.models.split(",")]
+    for mdir in mdirs:
+        m = os.path.basename(os.path.normpath(mdir))
         acts = os.path.join(work, f"{m}.safetensors")
         subprocess.run([a.bin, "calibrate", "-m", mdir, "--calib", calibf, "--nsamples", a.nsamples, "--seqlen",
                         a.seqlen, "--grad", "-o", acts, "-q"], check=True)
         cfg0 = json.load(open(os.path.join(mdir, "config.json")))
-        eos = cfg0.get("eos_token_id", 2)
+        eos = cfg0.get("eos_token_id", cfg0.get("text_config", {}).get("eos_token_id", 2))
         wins = windows(mdir, evalf, 512, a.windows, eos)
         targets = [("none", "0", mdir)]
         for method in a.methods.split(","):
@@ -134,11 +142,19 @@ def main():
                 kw = {}
                 if cfg.get("model_type") in ("delta_net", "gated_deltanet") and a.fla_mode:
                     kw["attn_mode"] = a.fla_mode
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).cuda().eval()
+                # a multimodal wrapper reloads as the class its config names
+                arch = (cfg.get("architectures") or [""])[0]
+                cls = getattr(transformers, arch) if arch.endswith("ForConditionalGeneration") else AutoModelForCausalLM
+                model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True, **kw)
+                if info["missing_keys"] or info["mismatched_keys"]:
+                    raise AssertionError(f"missing {sorted(info['missing_keys'])[:4]}, "
+                                         f"mismatched {sorted(info['mismatched_keys'])[:4]}")
+                model = model.to(a.device).eval()
+                rec["class"] = type(model).__name__
                 rec["dk"], rec["dv"] = key_widths(model, cfg)
-                rec["ppl_fp32"] = perplexity(model, wins, autocast=False)
+                rec["ppl_fp32"] = perplexity(model, wins, autocast=False, device=a.device)
                 if a.autocast:
-                    rec["ppl_bf16_autocast"] = perplexity(model, wins, autocast=True)
+                    rec["ppl_bf16_autocast"] = perplexity(model, wins, autocast=True, device=a.device)
                 if method == "none":
                     r = json.loads(subprocess.run([a.bin, "eval", "-m", path, "--data", evalf, "--windows", str(a.windows),
                                                    "--json", "-q"],
@@ -153,7 +169,8 @@ def main():
                 rec["rel_diff"] = abs(rec["ppl_fp32"] - rec["statecut_ppl"]) / rec["statecut_ppl"]
                 rec["ok"] = rec["rel_diff"] <= a.tol
                 del model
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             except Exception as e:  # a load failure is a result, not a crash
                 rec["ok"], rec["error"] = False, f"{type(e).__name__}: {e}"
             rec["seconds"] = round(time.time() - t0, 2)
@@ -164,7 +181,8 @@ def main():
             log(json.dumps(rec))
 
     env = (f"torch {torch.__version__}, transformers {transformers.__version__}, fla {fla_version} "
-           f"(fla attn_mode {a.fla_mode}), {torch.cuda.get_device_name()}, {a.windows} windows x 512 tokens of eval/wiki")
+           f"(fla attn_mode {a.fla_mode}), {torch.cuda.get_device_name() if a.device.startswith('cuda') else a.device}, "
+           f"{a.windows} windows x 512 tokens of eval/wiki")
     md = ["| model | method | ratio | d_k / d_v rebuilt | statecut ppl | library ppl fp32 | library ppl bf16 autocast | rel. diff | ok |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in records:

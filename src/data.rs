@@ -177,8 +177,10 @@ impl TextTokenizer {
             bail!("{} not found; pass a tokenizer with --tokenizer FILE", path.display());
         }
         let tok = Tokenizer::from_file(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        // multimodal wrappers (Qwen3.5) keep it in text_config
         let eos = config
             .get("eos_token_id")
+            .or_else(|| config.pointer("/text_config/eos_token_id"))
             .and_then(|v| v.as_u64().or_else(|| v.as_array().and_then(|a| a.first()).and_then(|x| x.as_u64())))
             .map(|v| v as u32)
             .or_else(|| ["</s>", "<|endoftext|>", "<|im_end|>"].iter().find_map(|t| tok.token_to_id(t)))

@@ -10,6 +10,7 @@ pub mod calib;
 pub mod checkpoint;
 pub mod cli;
 pub mod commands;
+pub mod config_text;
 pub mod data;
 pub mod device;
 pub mod eval;

@@ -207,7 +207,14 @@ pub fn write_checkpoint(
             std::fs::set_permissions(&to, perm)?;
         }
     }
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(config)? + "\n")?;
+    // The input's own text with only the edited values replaced, where the edit allows.
+    let original = std::fs::read_to_string(ckpt.dir.join("config.json")).ok();
+    let text = original.and_then(|t| crate::config_text::splice(&t, &ckpt.config, config));
+    let text = match text {
+        Some(t) => t,
+        None => serde_json::to_string_pretty(config)? + "\n",
+    };
+    std::fs::write(dir.join("config.json"), text)?;
     Ok(stats)
 }
 

@@ -11,6 +11,10 @@ pub struct SwiGlu {
 }
 
 impl SwiGlu {
+    pub fn new(gate: Linear, up: Linear, down: Linear) -> Self {
+        Self { gate, up, down }
+    }
+
     pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
         Ok(Self {
             gate: linear_no_bias(hidden, intermediate, vb.pp("gate_proj"))?,

@@ -1,11 +1,12 @@
-//! Qwen3.5 / Qwen3-Next text configs (transformers `configuration_qwen3_5.py`,
-//! `configuration_qwen3_next.py`), and where a checkpoint keeps its text model.
+//! Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text configs (transformers `configuration_qwen3_5.py`,
+//! `configuration_qwen3_5_moe.py`, `configuration_qwen3_next.py`), and where a checkpoint keeps
+//! its text model.
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
-/// The three on-disk layouts.
+/// The on-disk layouts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
     /// `qwen3_5_text`: `model.layers.*`, separate `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a`.
@@ -13,6 +14,12 @@ pub enum Variant {
     /// `qwen3_5`: the text config under `text_config`, weights under `model.language_model.*`
     /// next to `model.visual.*` and `mtp.*` (which the text forward ignores).
     Multimodal,
+    /// `qwen3_5_moe_text` (`Qwen3_5MoeForCausalLM`): the `Text` layout with a sparse MoE MLP in
+    /// every layer.
+    MoeText,
+    /// `qwen3_5_moe` (the released Qwen3.5/3.6 MoE checkpoints): the `Multimodal` layout with a
+    /// sparse MoE MLP in every layer; `mtp.*` stores its experts one tensor per expert.
+    MoeMultimodal,
     /// `qwen3_next`: fused `in_proj_qkvz` / `in_proj_ba`, interleaved per key-head group; MoE MLPs.
     Next,
 }
@@ -22,16 +29,50 @@ impl Variant {
         Ok(match model_type {
             "qwen3_5_text" => Variant::Text,
             "qwen3_5" => Variant::Multimodal,
+            "qwen3_5_moe_text" => Variant::MoeText,
+            "qwen3_5_moe" => Variant::MoeMultimodal,
             "qwen3_next" => Variant::Next,
             t => bail!("not a Qwen3.5 / Qwen3-Next model_type: {t}"),
         })
     }
 
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Variant::Text => "qwen3_5_text",
+            Variant::Multimodal => "qwen3_5",
+            Variant::MoeText => "qwen3_5_moe_text",
+            Variant::MoeMultimodal => "qwen3_5_moe",
+            Variant::Next => "qwen3_next",
+        }
+    }
+
+    /// A multimodal wrapper: text fields under `text_config`, text weights under `model.language_model`.
+    pub fn wrapper(self) -> bool {
+        matches!(self, Variant::Multimodal | Variant::MoeMultimodal)
+    }
+
+    /// Qwen3.5-MoE: every decoder layer's MLP is the sparse MoE block.
+    pub fn moe(self) -> bool {
+        matches!(self, Variant::MoeText | Variant::MoeMultimodal)
+    }
+
+    /// The dtype the rotary `inv_freq` is rounded to for checkpoints stored in `stored`: the
+    /// dense goldens come from transformers 5.17, which held it in the weights' dtype;
+    /// transformers 5.24, the Qwen3.5-MoE reference, keeps it in float32.
+    pub fn inv_freq_dtype(self, stored: candle_core::DType) -> candle_core::DType {
+        if self.moe() {
+            candle_core::DType::F32
+        } else {
+            stored
+        }
+    }
+
     /// Prefix of the text decoder's tensors (`embed_tokens`, `layers`, `norm`).
     pub fn prefix(self) -> &'static str {
-        match self {
-            Variant::Multimodal => "model.language_model",
-            _ => "model",
+        if self.wrapper() {
+            "model.language_model"
+        } else {
+            "model"
         }
     }
 
@@ -41,17 +82,28 @@ impl Variant {
 
     /// The JSON object holding the text fields.
     pub fn text(self, config: &Value) -> Result<&Value> {
-        match self {
-            Variant::Multimodal => config.get("text_config").context("qwen3_5 config.json has no text_config"),
-            _ => Ok(config),
+        if !self.wrapper() {
+            return Ok(config);
         }
+        config.get("text_config").filter(|t| t.is_object()).with_context(|| self.no_text_config())
     }
 
     pub fn text_mut(self, config: &mut Value) -> Result<&mut Value> {
-        match self {
-            Variant::Multimodal => config.get_mut("text_config").context("qwen3_5 config.json has no text_config"),
-            _ => Ok(config),
+        if !self.wrapper() {
+            return Ok(config);
         }
+        let why = self.no_text_config();
+        config.get_mut("text_config").filter(|t| t.is_object()).context(why)
+    }
+
+    fn no_text_config(self) -> String {
+        format!(
+            "{} config.json has no text_config object: a {} checkpoint keeps its language-model fields there \
+             (a text-only export has model_type {}_text and the fields at the top level)",
+            self.model_type(),
+            self.model_type(),
+            self.model_type()
+        )
     }
 }
 
@@ -64,6 +116,8 @@ fn one() -> usize {
 pub struct TextConfig {
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// Width of the dense MLPs (absent from Qwen3.5-MoE, which has none).
+    #[serde(default)]
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -109,6 +163,9 @@ pub struct TextConfig {
     pub mlp_only_layers: Vec<usize>,
     #[serde(default = "crate::arch::defaults::yes")]
     pub norm_topk_prob: bool,
+    /// Activation of the linear-attention output gate (Qwen3.8 configs say "swish").
+    #[serde(default)]
+    pub output_gate_type: Option<String>,
 }
 
 /// Sizes of a routed-expert MLP.
@@ -134,6 +191,37 @@ impl TextConfig {
         for t in cfg.layer_types() {
             if t != "linear_attention" && t != "full_attention" {
                 bail!("layer type \"{t}\" is not supported");
+            }
+        }
+        if let Some(want) = variant.wrapper().then(|| format!("{}_text", variant.model_type())) {
+            let got = variant.text(config)?.get("model_type").and_then(Value::as_str);
+            if got.is_some_and(|t| t != want) {
+                bail!(
+                    "text_config has model_type {:?}; a {} checkpoint's is \"{want}\"",
+                    got.unwrap(),
+                    variant.model_type()
+                );
+            }
+        }
+        // transformers' Qwen3.5 gated norm computes silu (= swish) whatever the key says.
+        if let Some(g) = cfg.output_gate_type.as_deref().filter(|g| !matches!(*g, "silu" | "swish")) {
+            bail!("output_gate_type \"{g}\" is not supported: the Qwen3.5 linear-attention output gate is silu (\"swish\")");
+        }
+        // mrope_section / mrope_interleaved only matter for image and video positions: with the
+        // three position streams of text equal, interleaved mRoPE is the plain rotary embedding.
+        let rope_type = cfg.rope_parameters.as_ref().and_then(|r| r.get("rope_type")).and_then(Value::as_str);
+        if let Some(t) = rope_type.filter(|t| *t != "default") {
+            bail!("rope_type \"{t}\" is not supported (only the default rotary embedding, with or without mrope)");
+        }
+        for i in 0..cfg.num_hidden_layers {
+            match cfg.moe(variant, i) {
+                Some(m) if m.experts == 0 || m.top_k == 0 || m.top_k > m.experts => {
+                    bail!("num_experts_per_tok {} must be between 1 and num_experts {}", m.top_k, m.experts)
+                }
+                None if cfg.intermediate_size == 0 => {
+                    bail!("config.json has no intermediate_size (layer {i} is a dense MLP)")
+                }
+                _ => {}
             }
         }
         Ok(cfg)
@@ -175,30 +263,41 @@ impl TextConfig {
         (self.head_dim() as f64 * f) as usize
     }
 
-    /// The MoE block of `layer` (Qwen3-Next: not in `mlp_only_layers` and every
-    /// `decoder_sparse_step`-th layer), or None for a dense SwiGLU.
+    /// The MoE block of `layer`, or None for a dense SwiGLU. Qwen3-Next: layers not in
+    /// `mlp_only_layers`, every `decoder_sparse_step`-th. Qwen3.5-MoE: every layer, top-k weights
+    /// always renormalised (transformers' `Qwen3_5MoeTextConfig` drops `mlp_only_layers`,
+    /// `decoder_sparse_step` and `norm_topk_prob`, and its router divides by the top-k sum).
     pub fn moe(&self, variant: Variant, layer: usize) -> Option<Moe> {
-        // transformers defaults for Qwen3-Next; dense Qwen3.5 has no experts
-        let experts = self.num_experts.unwrap_or(if variant == Variant::Next { 512 } else { 0 });
-        let sparse = experts > 0
-            && !self.mlp_only_layers.contains(&layer)
-            && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1));
-        sparse.then(|| Moe {
+        // transformers defaults of each config class
+        let (experts, top_k, norm_topk_prob) = match variant {
+            Variant::Next => {
+                let experts = self.num_experts.unwrap_or(512);
+                let sparse = experts > 0
+                    && !self.mlp_only_layers.contains(&layer)
+                    && (layer + 1).is_multiple_of(self.decoder_sparse_step.max(1));
+                if !sparse {
+                    return None;
+                }
+                (experts, self.num_experts_per_tok.unwrap_or(10), self.norm_topk_prob)
+            }
+            Variant::MoeText | Variant::MoeMultimodal => {
+                (self.num_experts.unwrap_or(256), self.num_experts_per_tok.unwrap_or(8), true)
+            }
+            Variant::Text | Variant::Multimodal => return None,
+        };
+        Some(Moe {
             experts,
-            top_k: self.num_experts_per_tok.unwrap_or(10),
+            top_k,
             intermediate: self.moe_intermediate_size.unwrap_or(512),
             shared_intermediate: self.shared_expert_intermediate_size.unwrap_or(512),
-            norm_topk_prob: self.norm_topk_prob,
+            norm_topk_prob,
         })
     }
 }
 
 /// Whether the LM head shares the embedding (the top level of a multimodal config decides).
 pub fn tied(variant: Variant, config: &Value, text: &TextConfig) -> bool {
-    let top = match variant {
-        Variant::Multimodal => config.get("tie_word_embeddings").and_then(Value::as_bool),
-        _ => None,
-    };
+    let top = if variant.wrapper() { config.get("tie_word_embeddings").and_then(Value::as_bool) } else { None };
     top.or(text.tie_word_embeddings).unwrap_or(false)
 }
 

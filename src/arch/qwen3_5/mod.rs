@@ -1,8 +1,10 @@
-//! Qwen3.5 (`qwen3_5_text`, and the multimodal `qwen3_5` checkpoints) and Qwen3-Next
-//! (`qwen3_next`): hybrids of Gated DeltaNet and gated full attention.
+//! Qwen3.5 (`qwen3_5_text`, and the multimodal `qwen3_5` checkpoints), Qwen3.5/3.6-MoE
+//! (`qwen3_5_moe_text`, `qwen3_5_moe`) and Qwen3-Next (`qwen3_next`): hybrids of Gated DeltaNet
+//! and gated full attention.
 //!
-//! Follows transformers `modular_qwen3_5.py` and `modular_qwen3_next.py`. Only the
-//! linear-attention layers have a recurrent state; full-attention layers are left alone.
+//! Follows transformers `modular_qwen3_5.py`, `modular_qwen3_5_moe.py` and
+//! `modular_qwen3_next.py`. Only the linear-attention layers have a recurrent state;
+//! full-attention layers, experts, `model.visual.*` and `mtp.*` are left alone.
 
 mod attention;
 mod config;
@@ -62,7 +64,11 @@ pub fn layout_of(variant: Variant, c: &TextConfig) -> StateLayout {
             LayerState { layer: i, key_heads: d.hk, value_heads: d.hv, dv: d.dv, slices }
         })
         .collect();
-    let family = if variant == Variant::Next { "Qwen3Next" } else { "Qwen3_5" };
+    let family = match variant {
+        Variant::Next => "Qwen3Next",
+        Variant::MoeText | Variant::MoeMultimodal => "Qwen3_5Moe",
+        Variant::Text | Variant::Multimodal => "Qwen3_5",
+    };
     StateLayout { family: family.into(), dk: d.dk, layers, num_layers: c.num_hidden_layers }
 }
 
@@ -70,7 +76,7 @@ pub struct Qwen35Family;
 
 impl Family for Qwen35Family {
     fn model_types(&self) -> &'static [&'static str] {
-        &["qwen3_5_text", "qwen3_5", "qwen3_next"]
+        &["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"]
     }
 
     fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {

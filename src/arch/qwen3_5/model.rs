@@ -61,7 +61,8 @@ impl Qwen35Model {
                 Mixer::Linear(gdn.with_context(|| format!("loading layer {i}"))?)
             } else {
                 Mixer::Full(
-                    Attention::load(l.pp("self_attn"), c, stored).with_context(|| format!("loading layer {i}"))?,
+                    Attention::load(l.pp("self_attn"), c, variant.inv_freq_dtype(stored))
+                        .with_context(|| format!("loading layer {i}"))?,
                 )
             };
             let mlp = match c.moe(variant, i) {

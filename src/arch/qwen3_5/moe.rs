@@ -1,12 +1,55 @@
-//! Qwen3-Next sparse MoE MLP (transformers `Qwen3NextSparseMoeBlock`): softmax router, top-k
-//! experts (renormalised when `norm_topk_prob`), plus a shared expert scaled by
-//! sigmoid(shared_expert_gate(x)).
+//! Qwen3-Next / Qwen3.5-MoE sparse MoE MLP (transformers `Qwen3NextSparseMoeBlock`,
+//! `Qwen3_5MoeSparseMoeBlock`): softmax router, top-k experts (renormalised when
+//! `norm_topk_prob`), plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
 use super::config::Moe;
 use crate::ops::mlp::SwiGlu;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
+
+/// How a checkpoint stores the routed experts, told apart by the tensor names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj`
+    /// [E, H, I]: the bf16 Qwen3.5/3.6 releases.
+    Fused,
+    /// `experts.{e}.{gate,up,down}_proj.weight`: Qwen3-Next, transformers' `save_pretrained`,
+    /// re-exports.
+    PerExpert,
+}
+
+impl ExpertStorage {
+    pub fn detect(vb: &VarBuilder) -> Self {
+        if vb.contains_tensor("experts.gate_up_proj") {
+            ExpertStorage::Fused
+        } else {
+            ExpertStorage::PerExpert
+        }
+    }
+
+    /// One SwiGLU per expert. Fused experts become views into the two stored tensors (no copy),
+    /// so that both layouts run the same forward.
+    fn load(self, vb: &VarBuilder, hidden: usize, cfg: Moe) -> candle_core::Result<Vec<SwiGlu>> {
+        let (e, i) = (cfg.experts, cfg.intermediate);
+        match self {
+            ExpertStorage::Fused => {
+                let gate_up = vb.get((e, 2 * i, hidden), "experts.gate_up_proj")?;
+                let down = vb.get((e, hidden, i), "experts.down_proj")?;
+                (0..e)
+                    .map(|x| {
+                        let gu = gate_up.get(x)?;
+                        let lin = |t: Tensor| Linear::new(t, None);
+                        Ok(SwiGlu::new(lin(gu.narrow(0, 0, i)?), lin(gu.narrow(0, i, i)?), lin(down.get(x)?)))
+                    })
+                    .collect()
+            }
+            ExpertStorage::PerExpert => {
+                (0..e).map(|x| SwiGlu::load(vb.pp(format!("experts.{x}")), hidden, i)).collect()
+            }
+        }
+    }
+}
 
 pub struct SparseMoe {
     cfg: Moe,
@@ -18,9 +61,14 @@ pub struct SparseMoe {
 
 impl SparseMoe {
     pub fn load(vb: VarBuilder, hidden: usize, cfg: Moe) -> Result<Self> {
-        let experts = (0..cfg.experts)
-            .map(|e| SwiGlu::load(vb.pp(format!("experts.{e}")), hidden, cfg.intermediate))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let experts = ExpertStorage::detect(&vb).load(&vb, hidden, cfg).with_context(|| {
+            format!(
+                "{}: experts do not match num_experts {}, moe_intermediate_size {}, hidden_size {hidden} of config.json",
+                vb.prefix(),
+                cfg.experts,
+                cfg.intermediate
+            )
+        })?;
         Ok(Self {
             cfg,
             router: linear_no_bias(hidden, cfg.experts, vb.pp("gate"))?,
