@@ -169,4 +169,11 @@ mod tests {
         assert!(splice(TEXT, &old, &new).is_none());
         assert!(splice("{\"a\": 1} x", &parse("{\"a\": 1}"), &parse("{\"a\": 2}")).is_none());
     }
+
+    /// The fallback writes keys in the input's order too (serde_json's `preserve_order`).
+    #[test]
+    fn values_keep_the_key_order() {
+        let keys: Vec<String> = parse(TEXT)["text_config"].as_object().unwrap().keys().cloned().collect();
+        assert_eq!(keys, ["rms_norm_eps", "linear_key_head_dim", "layer_types", "name", "rope_parameters", "limit"]);
+    }
 }

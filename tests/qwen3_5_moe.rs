@@ -304,3 +304,43 @@ fn bad_expert_shapes_and_configs() {
     let d = edit_config("gate", &|c| c["text_config"]["output_gate_type"] = "sigmoid".into());
     fails_cleanly(&d, &["output_gate_type \"sigmoid\" is not supported"]);
 }
+
+/// A config.json written by hand in the released files' style (keys not sorted: `rope_parameters`
+/// and `mamba_ssm_dtype` last, 4-space indent, Python's `1e-06`) comes back from a prune with
+/// exactly its own bytes except the edited width.
+#[test]
+fn pruned_config_keeps_key_order_and_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("unsorted");
+    copy_with(&fixture("qwen3_5_moe"), &src, |t| t);
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    // reversed key order at every level, the last-written keys of the releases moved to the end
+    fn reorder(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().rev().collect();
+                keys.sort_by_key(|k| ["rope_parameters", "mamba_ssm_dtype"].contains(&k.as_str()));
+                Value::Object(keys.into_iter().map(|k| (k.clone(), reorder(&m[k]))).collect())
+            }
+            other => other.clone(),
+        }
+    }
+    let mut text_config = reorder(&cfg["text_config"]);
+    text_config["mamba_ssm_dtype"] = "float32".into();
+    let mut top = reorder(&cfg);
+    top["text_config"] = text_config;
+    let mut buf = Vec::new();
+    let fmt = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+    serde::Serialize::serialize(&top, &mut serde_json::Serializer::with_formatter(&mut buf, fmt)).unwrap();
+    let text = String::from_utf8(buf).unwrap().replace("1e-6", "1e-06") + "\n";
+    assert!(text.contains("\"rms_norm_eps\": 1e-06") && text.contains("\"pad_token_id\": null"));
+    assert!(text.rfind("\"vocab_size\"").unwrap() < text.rfind("\"rope_parameters\"").unwrap());
+    std::fs::write(src.join("config.json"), &text).unwrap();
+
+    let out = tmp.path().join("out");
+    let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
+    run_ok(&["prune", "-m", s, "--method", "l1", "--ratio", "0.75", "-o", o, "-q"]);
+    let want = text.replace("\"linear_key_head_dim\": 128", "\"linear_key_head_dim\": 32");
+    assert_ne!(want, text);
+    assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), want);
+}

@@ -325,6 +325,72 @@ mod tests {
         assert_eq!(c.moe(Variant::Next, 5).unwrap().experts, 512);
     }
 
+    /// The text_config of Qwen3.6-35B-A3B (REAL-CHECKPOINTS.md §2.2), shortened to 4 layers.
+    fn moe_text() -> Value {
+        json!({"attention_bias": false, "attn_output_gate": true, "bos_token_id": 248044, "dtype": "bfloat16",
+               "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+               "hidden_size": 2048, "layer_types": ["linear_attention", "linear_attention", "linear_attention",
+               "full_attention"], "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+               "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+               "mamba_ssm_dtype": "float32", "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 512,
+               "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": false, "num_attention_heads": 16,
+               "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 4, "num_key_value_heads": 2,
+               "output_router_logits": false, "pad_token_id": null, "partial_rotary_factor": 0.25,
+               "rms_norm_eps": 1e-06, "rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, 11, 10],
+               "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default"},
+               "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": false,
+               "vocab_size": 248320})
+    }
+
+    #[test]
+    fn released_moe_config() {
+        let cfg = json!({"model_type": "qwen3_5_moe", "tie_word_embeddings": false, "text_config": moe_text()});
+        let c = TextConfig::from_value(Variant::MoeMultimodal, &cfg).unwrap();
+        assert_eq!((c.rotary_dim(), c.rope_theta(), c.is_linear(3)), (64, 1e7, false));
+        for i in 0..4 {
+            let m = c.moe(Variant::MoeMultimodal, i).unwrap();
+            assert_eq!((m.experts, m.top_k, m.intermediate, m.shared_intermediate), (256, 8, 512, 512));
+            assert!(m.norm_topk_prob);
+        }
+        assert!(!tied(Variant::MoeMultimodal, &cfg, &c));
+        // Qwen3.5-MoE ignores the Qwen3-Next keys, as transformers does
+        let mut t = moe_text();
+        t["mlp_only_layers"] = json!([1]);
+        t["norm_topk_prob"] = json!(false);
+        let c = TextConfig::from_value(Variant::MoeText, &t).unwrap();
+        assert!(c.moe(Variant::MoeText, 1).unwrap().norm_topk_prob);
+        // partial_rotary_factor at the top level only; transformers' defaults without the MoE keys
+        let mut t = moe_text();
+        t.as_object_mut().unwrap().retain(|k, _| !k.starts_with("rope_") && !k.contains("expert"));
+        t["partial_rotary_factor"] = json!(0.5);
+        let c = TextConfig::from_value(Variant::MoeText, &t).unwrap();
+        assert_eq!((c.rotary_dim(), c.moe(Variant::MoeText, 0).unwrap().experts), (128, 256));
+    }
+
+    #[test]
+    fn rejects_what_qwen3_5_does_not_compute() {
+        let err = |v: Variant, c: Value| format!("{:#}", TextConfig::from_value(v, &c).unwrap_err());
+        let wrapper = json!({"model_type": "qwen3_5_moe", "vision_config": {}});
+        assert!(err(Variant::MoeMultimodal, wrapper).contains("qwen3_5_moe config.json has no text_config"));
+        let wrong = json!({"model_type": "qwen3_5_moe", "text_config": text()});
+        let mut wrong = wrong;
+        wrong["text_config"]["model_type"] = json!("qwen3_5_text");
+        assert!(err(Variant::MoeMultimodal, wrong).contains("a qwen3_5_moe checkpoint's is \"qwen3_5_moe_text\""));
+        let mut t = moe_text();
+        t["output_gate_type"] = json!("sigmoid");
+        assert!(err(Variant::MoeText, t.clone()).contains("output_gate_type \"sigmoid\""));
+        t["output_gate_type"] = json!("swish");
+        assert!(TextConfig::from_value(Variant::MoeText, &t).is_ok());
+        t["rope_parameters"]["rope_type"] = json!("yarn");
+        assert!(err(Variant::MoeText, t).contains("rope_type \"yarn\""));
+        let mut t = moe_text();
+        t["num_experts_per_tok"] = json!(300);
+        assert!(err(Variant::MoeText, t).contains("between 1 and num_experts 256"));
+        let mut t = text();
+        t.as_object_mut().unwrap().remove("intermediate_size");
+        assert!(err(Variant::Text, t).contains("no intermediate_size"));
+    }
+
     #[test]
     fn multimodal_reads_text_config() {
         let cfg = json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": text()});

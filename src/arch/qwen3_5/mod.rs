@@ -155,6 +155,23 @@ mod tests {
     }
 
     #[test]
+    fn moe_layouts() {
+        let mut t = text();
+        t["model_type"] = json!("qwen3_5_moe_text");
+        let mm = json!({"model_type": "qwen3_5_moe", "text_config": t});
+        let c = TextConfig::from_value(Variant::MoeMultimodal, &mm).unwrap();
+        let l = layout_of(Variant::MoeMultimodal, &c);
+        assert_eq!((l.family.as_str(), l.layers.len()), ("Qwen3_5Moe", 3));
+        assert_eq!(rows(&l, 2)[0].0, "model.language_model.layers.2.linear_attn.in_proj_qkv.weight");
+        let l = layout_of(Variant::MoeText, &TextConfig::from_value(Variant::MoeText, &mm["text_config"]).unwrap());
+        assert_eq!(rows(&l, 0)[3], ("model.layers.0.linear_attn.conv1d.weight".into(), 32, 16, SliceRole::Conv));
+
+        let mut cfg = mm.clone();
+        Qwen35Family.set_key_width(&mut cfg, &l, 8).unwrap();
+        assert_eq!(cfg["text_config"]["linear_key_head_dim"], 8);
+    }
+
+    #[test]
     fn set_key_width_edits_the_text_config() {
         let mut c = text();
         let layout = layout_of(Variant::Text, &TextConfig::from_value(Variant::Text, &c).unwrap());
