@@ -347,6 +347,10 @@ pub struct Calibration {
     pub grad_sum: BTreeMap<String, Tensor>,
     pub sequences_done: usize,
     pub tokens: usize,
+    /// Field of jsonl/parquet calibration text that held the text.
+    pub text_column: String,
+    /// sha256 (hex) of the file this calibration was loaded from.
+    pub sha256: Option<String>,
 }
 
 /// Sequences per forward pass when the user gives none: one on the CPU (the kernels already use
@@ -384,6 +388,8 @@ impl Calibration {
             grad_sum: BTreeMap::new(),
             sequences_done: 0,
             tokens: 0,
+            text_column: "text".into(),
+            sha256: None,
         }
     }
 
@@ -490,6 +496,8 @@ impl Calibration {
         meta.insert("sequences_done".to_string(), self.sequences_done.to_string());
         meta.insert("tokens".to_string(), self.tokens.to_string());
         meta.insert("complete".to_string(), complete.to_string());
+        meta.insert("text_column".to_string(), self.text_column.clone());
+        meta.insert("statecut_version".to_string(), env!("CARGO_PKG_VERSION").to_string());
         crate::surgery::write_tensors_atomic(path, &tensors, meta)
     }
 
@@ -544,14 +552,28 @@ impl Calibration {
         cal.sequences_done = get("sequences_done")?.parse()?;
         cal.tokens = get("tokens")?.parse()?;
         let complete = get("complete")? == "true";
+        // Files written before the column was recorded were made with the default.
+        cal.text_column = meta.get("text_column").cloned().unwrap_or_else(|| "text".into());
+        cal.sha256 = Some(sha256_hex(&bytes));
         cal.check_finite()?;
         Ok((cal, complete))
     }
 }
 
+/// sha256 of `bytes` as lowercase hex: identifies an activations file in reports and recipes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sha256_of_known_input() {
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
 
     #[test]
     fn gpu_batch_fits_free_memory() {

@@ -163,7 +163,8 @@ pub struct PruneArgs {
     /// Fraction of key/query channels to remove per head, in (0, 1).
     #[arg(long)]
     pub ratio: Option<f64>,
-    /// Round the kept width down to a multiple of this (kernel-friendly sizes).
+    /// Round the kept width down to a multiple of this (kernel-friendly sizes). prune warns when
+    /// the width hits a known serving-engine limit and names the --round-to that avoids it.
     #[arg(long)]
     pub round_to: Option<usize>,
     /// Output directory for the pruned checkpoint.

@@ -150,7 +150,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
     };
     let mut cal = if args.resume && partial.exists() {
         let (cal, _) = Calibration::load(&partial, &m.layout)?;
-        if cal.settings != settings {
+        if cal.settings != settings || cal.text_column != c.text_column {
             anyhow::bail!(
                 "{} was started with other settings ({:?}); pass the same flags to resume",
                 partial.display(),
@@ -162,7 +162,9 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         }
         cal
     } else {
-        Calibration::new(settings, &m.layout, hidden)
+        let mut cal = Calibration::new(settings, &m.layout, hidden);
+        cal.text_column = c.text_column.clone();
+        cal
     };
     let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
     cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, Some((&partial, args.save_every)), quiet)?;

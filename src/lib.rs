@@ -25,5 +25,7 @@ pub mod prune;
 pub mod recipe;
 pub mod report;
 pub mod select;
+pub mod serving;
+pub mod staging;
 pub mod surgery;
 pub mod torch_save;

@@ -132,14 +132,15 @@ fn ppl(model: &dyn crate::arch::CausalLm, wins: &[&[u32]], quiet: bool) -> Resul
 }
 
 pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
-    let plan = Plan::resolve(args)?;
+    let mut plan = Plan::resolve(args)?;
     let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
     let ckpt = Checkpoint::open(&dir)?;
     let family: &dyn Family = crate::arch::family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
     let k = plan.kept_width(layout.dk)?;
+    let model_type = ckpt.model_type()?;
+    let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
     let staged = Staged::new(&args.output, args.overwrite, &dir)?;
-    let calib_src = TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?;
     let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
     let hidden = ckpt
         .config
@@ -147,18 +148,25 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         .or_else(|| ckpt.config.pointer("/text_config/hidden_size"))
         .and_then(|v| v.as_u64())
         .unwrap_or(0) as usize;
-    let saved = match &args.activations {
+    let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
         Some(p) => {
-            let (cal, complete) = Calibration::load(p, &layout)?;
+            let (cal, complete) = Calibration::load(&p, &layout)?;
             if !complete {
                 bail!("{} is a partial calibration; finish it with `statecut calibrate --resume`", p.display());
             }
             if plan.method == Method::Grad && cal.grad_sum.is_empty() {
                 bail!("{} has no gradients; calibrate with --grad to use --method grad", p.display());
             }
+            plan.adopt(&args.calib, &cal, quiet)?;
             Some(cal)
         }
         None => None,
+    };
+    // Saved activations need the calibration text again only to count partition routing (the
+    // text they were made from may be gone otherwise).
+    let calib_src = match (&saved, args.prune_partitions) {
+        (Some(_), None) => TextSource::Builtin,
+        _ => TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?,
     };
     let calibrate_now = saved.is_none() && (plan.method.needs_activations() || plan.calib.source.is_some());
     if args.dry_run {
@@ -178,6 +186,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
             },
             args.output.display()
         );
+        serving.lines().iter().for_each(|l| println!("{l}"));
         return Ok(());
     }
     let mut clock = Clock::start();
@@ -202,6 +211,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
                 source: plan.calib.source.clone().unwrap_or_else(|| "builtin".into()),
             };
             let mut cal = Calibration::new(settings, &layout, hidden);
+            cal.text_column = plan.calib.text_column.clone();
             cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, None, quiet)?;
             Some(cal)
         }
@@ -263,7 +273,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         tool: "statecut",
         version: env!("CARGO_PKG_VERSION"),
         model: args.model.model.clone(),
-        model_type: ckpt.model_type()?,
+        model_type,
         family: layout.family.clone(),
         output: args.output.display().to_string(),
         plan: plan.clone(),
@@ -279,6 +289,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         calibration: calibration.as_ref().map(|c| CalibrationInfo {
             source: c.settings.source.clone(),
             sequences: c.sequences_done,
+            seqlen: c.settings.seqlen,
             tokens: c.tokens,
             rows_per_layer: c.settings.rows,
         }),
@@ -292,6 +303,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
             }),
             _ => None,
         },
+        serving,
         rrqr_bounds_hold: (!checked.is_empty()).then(|| (checked.iter().filter(|b| **b).count(), checked.len())),
         layers,
     };
@@ -299,6 +311,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     std::fs::write(staged.tmp.join("statecut_report.md"), report.markdown())?;
     std::fs::write(staged.tmp.join("statecut_recipe.toml"), toml::to_string(&recipe_of(&plan))?)?;
     staged.commit()?;
+    report.serving.lines().iter().for_each(|l| println!("{l}"));
     println!("{}", report.summary());
     if !quiet {
         eprintln!("wrote {}", args.output.display());
@@ -366,6 +379,8 @@ fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
         eval: p.eval.clone(),
         eval_windows: Some(p.eval_windows),
         eval_seqlen: Some(p.eval_seqlen),
+        activations: p.activations.as_ref().map(|a| a.path.clone()),
+        activations_sha256: p.activations.as_ref().and_then(|a| a.sha256.clone()),
     }
 }
 

@@ -26,6 +26,9 @@ pub struct Recipe {
     pub eval: Option<String>,
     pub eval_windows: Option<usize>,
     pub eval_seqlen: Option<usize>,
+    /// Saved activations (`--activations`) instead of calibrating, and the sha256 they must have.
+    pub activations: Option<std::path::PathBuf>,
+    pub activations_sha256: Option<String>,
 }
 
 impl Recipe {
@@ -63,6 +66,17 @@ impl Calib {
     }
 }
 
+/// A saved calibration a plan uses (`--activations`), identified by its content.
+#[derive(Debug, Clone, Serialize)]
+pub struct Activations {
+    pub path: std::path::PathBuf,
+    /// The file's sha256; before it is read, the one the recipe expects (if any).
+    pub sha256: Option<String>,
+    /// Sequences and tokens it was calibrated on (once read).
+    pub sequences: usize,
+    pub tokens: usize,
+}
+
 /// A validated prune plan.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -71,10 +85,15 @@ pub struct Plan {
     pub round_to: usize,
     pub rrqr_f: f64,
     pub score_on: ScoreOn,
+    /// The calibration the selection uses: with `activations`, the one the file was made with.
     pub calib: Calib,
+    pub activations: Option<Activations>,
     pub eval: Option<String>,
     pub eval_windows: usize,
     pub eval_seqlen: usize,
+    /// The recipe the plan came from, to tell given settings from defaults.
+    #[serde(skip)]
+    recipe: Recipe,
 }
 
 impl Plan {
@@ -100,7 +119,14 @@ impl Plan {
         if !(rrqr_f > 1.0 && rrqr_f.is_finite()) {
             bail!("--rrqr-f {rrqr_f} must be a finite number > 1");
         }
+        // The recipe's checksum applies to the recipe's file, not to one given on the command line.
+        let activations = match (&a.activations, &r.activations) {
+            (Some(p), _) => Some((p.clone(), None)),
+            (None, Some(p)) => Some((p.clone(), r.activations_sha256.clone())),
+            (None, None) => None,
+        };
         Ok(Self {
+            activations: activations.map(|(path, sha256)| Activations { path, sha256, sequences: 0, tokens: 0 }),
             method,
             ratio,
             round_to: a.round_to.or(r.round_to).unwrap_or(1).max(1),
@@ -110,7 +136,58 @@ impl Plan {
             eval: a.eval.clone().or(r.eval.clone()),
             eval_windows: a.eval_windows.or(r.eval_windows).unwrap_or(64),
             eval_seqlen: a.eval_seqlen.or(r.eval_seqlen).unwrap_or(512),
+            recipe: r,
         })
+    }
+
+    /// Take the calibration settings from the saved activations `cal` (loaded from
+    /// `self.activations`): the plan, report and recipe then describe what the selection used.
+    /// A recipe's sha256 that the file does not have is an error; calibration flags that
+    /// disagree with the file are ignored with a warning.
+    pub fn adopt(&mut self, a: &CalibArgs, cal: &crate::calib::Calibration, quiet: bool) -> Result<()> {
+        let acts = self.activations.as_mut().context("adopt needs a plan with activations")?;
+        let got = cal.sha256.clone().context("the activations were not read from a file")?;
+        if let Some(want) = &acts.sha256 {
+            if !want.eq_ignore_ascii_case(&got) {
+                bail!(
+                    "{} has sha256 {got}, but the recipe was written for {want}: it is not the activations file the recipe used; restore that file, or pass --activations to use this one",
+                    acts.path.display()
+                );
+            }
+        }
+        acts.path = acts.path.canonicalize().unwrap_or_else(|_| acts.path.clone());
+        acts.sha256 = Some(got);
+        (acts.sequences, acts.tokens) = (cal.sequences_done, cal.tokens);
+        let s = &cal.settings;
+        let file = Calib {
+            source: Some(s.source.clone()),
+            text_column: cal.text_column.clone(),
+            nsamples: s.nsamples,
+            seqlen: s.seqlen,
+            seed: s.seed,
+            rows: s.rows,
+        };
+        let r = &self.recipe;
+        let given = [
+            ("calib", a.calib.clone().or(r.calib.clone()), Some(s.source.clone())),
+            ("text-column", a.text_column.clone().or(r.text_column.clone()), Some(file.text_column.clone())),
+            ("nsamples", a.nsamples.or(r.nsamples).map(|x| x.to_string()), Some(s.nsamples.to_string())),
+            ("seqlen", a.seqlen.or(r.seqlen).map(|x| x.to_string()), Some(s.seqlen.to_string())),
+            ("seed", a.seed.or(r.seed).map(|x| x.to_string()), Some(s.seed.to_string())),
+            ("rows", a.rows.or(r.rows).map(|x| x.to_string()), Some(s.rows.to_string())),
+        ];
+        for (flag, given, used) in given {
+            if given.is_some() && given != used && !quiet {
+                eprintln!(
+                    "warning: --{flag} {} is ignored: {} was calibrated with {}",
+                    given.unwrap_or_default(),
+                    acts.path.display(),
+                    used.unwrap_or_default()
+                );
+            }
+        }
+        self.calib = file;
+        Ok(())
     }
 
     /// Kept width: floor(d_k (1 − ratio)), rounded down to a multiple of `round_to`.

@@ -33,6 +33,7 @@ pub struct Perplexity {
 pub struct CalibrationInfo {
     pub source: String,
     pub sequences: usize,
+    pub seqlen: usize,
     pub tokens: usize,
     pub rows_per_layer: usize,
 }
@@ -57,6 +58,8 @@ pub struct PruneReport {
     pub params_after: usize,
     pub calibration: Option<CalibrationInfo>,
     pub ppl: Option<Perplexity>,
+    /// Where the output runs and the engine limits its key width hits.
+    pub serving: crate::serving::Serving,
     /// Wall-clock seconds per stage (load, calibrate, select, evaluate_before, write,
     /// reload_evaluate) and in total, from the planning step on.
     pub seconds: std::collections::BTreeMap<String, f64>,
@@ -97,8 +100,15 @@ impl PruneReport {
         s += &format!("| parameters | {} -> {} |\n", self.params_before, self.params_after);
         if let Some(c) = &self.calibration {
             s += &format!(
-                "| calibration | {} ({} sequences, {} tokens, {} rows/layer) |\n",
-                c.source, c.sequences, c.tokens, c.rows_per_layer
+                "| calibration | {} ({} sequences of {} tokens, {} tokens, {} rows/layer) |\n",
+                c.source, c.sequences, c.seqlen, c.tokens, c.rows_per_layer
+            );
+        }
+        if let Some(a) = &self.plan.activations {
+            s += &format!(
+                "| activations | `{}` (sha256 `{}`) |\n",
+                a.path.display(),
+                a.sha256.as_deref().unwrap_or("-")
             );
         }
         if let Some(p) = &self.ppl {
@@ -111,6 +121,7 @@ impl PruneReport {
             s += &format!("| strong-RRQR bounds hold | {ok} / {n} heads |\n");
         }
         s += &format!("| statecut | {} |\n\n", self.version);
+        s += &self.serving.markdown();
         s += "## Per head\n\n| layer | head | kappa before | kappa after | kept channels |\n|---|---|---|---|---|\n";
         let f = |x: Option<crate::select::ColumnStats>| x.map_or("-".to_string(), |v| format!("{:.1}", v.kappa));
         for l in &self.layers {

@@ -10,6 +10,8 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+pub use crate::staging::{sibling_tmp, Staged};
+
 /// A tensor as raw little-endian bytes.
 pub struct RawTensor<'a> {
     pub dtype: safetensors::Dtype,
@@ -54,16 +56,9 @@ pub fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {
 /// Write candle tensors to a safetensors file with metadata, via a temporary file + rename.
 pub fn write_tensors_atomic(path: &Path, tensors: &[(String, Tensor)], meta: HashMap<String, String>) -> Result<()> {
     let raws = tensors.iter().map(|(n, t)| Ok((n.clone(), raw_of(t)?))).collect::<Result<Vec<_>>>()?;
-    let tmp = sibling_tmp(path);
-    safetensors::serialize_to_file(raws, Some(meta), &tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
-}
-
-/// `dir/.name.statecut-tmp-PID`: beside the target so the final rename stays on one filesystem.
-pub fn sibling_tmp(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    path.with_file_name(format!(".{name}.statecut-tmp-{}", std::process::id()))
+    crate::staging::write_atomic(path, |tmp| {
+        safetensors::serialize_to_file(raws, Some(meta), tmp).with_context(|| format!("writing {}", tmp.display()))
+    })
 }
 
 /// The kept key/query channels: layer → key head → sorted channel indices.
@@ -216,61 +211,4 @@ pub fn write_checkpoint(
     };
     std::fs::write(dir.join("config.json"), text)?;
     Ok(stats)
-}
-
-/// An output directory being built: a hidden sibling that becomes `target` on [`Staged::commit`],
-/// and is removed if dropped uncommitted (errors, interrupts), so no half-written output remains.
-pub struct Staged {
-    pub tmp: PathBuf,
-    pub target: PathBuf,
-    committed: bool,
-}
-
-impl Staged {
-    /// Check the target up front: it must not exist unless `overwrite`.
-    pub fn new(target: &Path, overwrite: bool, input: &Path) -> Result<Self> {
-        if target.exists() && !overwrite {
-            bail!("output directory {} already exists; pass --overwrite to replace it", target.display());
-        }
-        if let (Ok(a), Ok(b)) = (target.canonicalize(), input.canonicalize()) {
-            if a == b {
-                bail!("the output directory is the input model; choose another -o");
-            }
-        }
-        let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        if !parent.is_dir() {
-            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-        }
-        let tmp = sibling_tmp(target);
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp)?;
-        }
-        Ok(Self { tmp, target: target.to_path_buf(), committed: false })
-    }
-
-    /// Move the finished directory into place (replacing an old one only now).
-    pub fn commit(mut self) -> Result<()> {
-        if self.target.exists() {
-            let old = self.target.with_file_name(format!(
-                ".{}.statecut-old-{}",
-                self.target.file_name().unwrap().to_string_lossy(),
-                std::process::id()
-            ));
-            std::fs::rename(&self.target, &old)?;
-            std::fs::rename(&self.tmp, &self.target)?;
-            std::fs::remove_dir_all(&old)?;
-        } else {
-            std::fs::rename(&self.tmp, &self.target)?;
-        }
-        self.committed = true;
-        Ok(())
-    }
-}
-
-impl Drop for Staged {
-    fn drop(&mut self) {
-        if !self.committed && self.tmp.exists() {
-            let _ = std::fs::remove_dir_all(&self.tmp);
-        }
-    }
 }
