@@ -24,5 +24,6 @@ pub mod prune;
 pub mod recipe;
 pub mod report;
 pub mod select;
+pub mod stream;
 pub mod surgery;
 pub mod torch_save;
