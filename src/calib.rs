@@ -160,6 +160,17 @@ pub struct Collector {
     /// Per layer: Σ x² (float64) of the inputs seen since the last [`Collector::sync`], on the
     /// inputs' device, and their token count.
     pending: BTreeMap<usize, (Tensor, u64)>,
+    /// Seed of the run: sequence i samples from the streams of [`sequence_seed`]`(seed, i)`.
+    seed: u64,
+    /// Layer-streamed runs: the sampling streams of sequences not in flight, where the last
+    /// layer they went through left them, and the first sequence in flight.
+    parked: BTreeMap<usize, (StdRng, StdRng)>,
+    in_flight: Option<usize>,
+}
+
+/// The seed of sequence `i`'s sampling streams in a run seeded with `seed`.
+pub fn sequence_seed(seed: u64, i: usize) -> u64 {
+    seed.wrapping_add(i as u64 * 0x1000_0000_01b3)
 }
 
 fn streams(seed: u64) -> (StdRng, StdRng) {
@@ -185,7 +196,17 @@ impl Collector {
                 )
             })
             .collect();
-        Self { dk: layout.dk, layers, rngs: vec![streams(seed)], skip: 0, need_logits: true, pending: BTreeMap::new() }
+        Self {
+            dk: layout.dk,
+            layers,
+            rngs: vec![streams(seed)],
+            skip: 0,
+            need_logits: true,
+            pending: BTreeMap::new(),
+            seed,
+            parked: BTreeMap::new(),
+            in_flight: None,
+        }
     }
 
     /// Bring what the forward passes left on the device to the host: the sampled rows of every
@@ -216,6 +237,29 @@ impl Collector {
     /// One seed per sequence of the next forward pass's batch.
     pub fn reseed_batch(&mut self, seeds: &[u64]) {
         self.rngs = seeds.iter().map(|&s| streams(s)).collect();
+    }
+
+    /// Sample the next forward pass's batch as sequences `first..first + n` of the run.
+    pub fn reseed_sequences(&mut self, first: usize, n: usize) {
+        let seeds: Vec<u64> = (first..first + n).map(|i| sequence_seed(self.seed, i)).collect();
+        self.reseed_batch(&seeds);
+    }
+
+    /// Layer-streamed runs: continue sequences `first..first + n` with the streams they left
+    /// off with at the previous layer (fresh ones at the first), parking those in flight.
+    /// Each sequence's streams are drawn from in the same order as in a resident run, layer
+    /// after layer, so the samples are the same.
+    fn continue_sequences(&mut self, first: usize, n: usize) {
+        if let Some(prev) = self.in_flight.take() {
+            for (i, s) in std::mem::take(&mut self.rngs).into_iter().enumerate() {
+                self.parked.insert(prev + i, s);
+            }
+        }
+        let seed = self.seed;
+        self.rngs = (first..first + n)
+            .map(|i| self.parked.remove(&i).unwrap_or_else(|| streams(sequence_seed(seed, i))))
+            .collect();
+        self.in_flight = Some(first);
     }
 }
 
@@ -272,6 +316,11 @@ fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
 impl Observer for Collector {
     fn needs_logits(&self) -> bool {
         self.need_logits
+    }
+
+    fn sequences(&mut self, first: usize, n: usize) -> Result<()> {
+        self.continue_sequences(first, n);
+        Ok(())
     }
 
     fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
@@ -370,7 +419,7 @@ fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool, hidden: u
 const BYTES_PER_TOKEN_PER_HIDDEN: usize = 160;
 
 /// Sequences per pass on a GPU with `free` bytes free (unknown: assume enough), using at most half.
-fn gpu_batch(free: Option<usize>, seqlen: usize, hidden: usize) -> usize {
+pub(crate) fn gpu_batch(free: Option<usize>, seqlen: usize, hidden: usize) -> usize {
     let seqlen = seqlen.max(1);
     let mut tokens = 16384;
     if let Some(free) = free {
@@ -404,9 +453,12 @@ impl Calibration {
         save: Option<(&std::path::Path, usize)>,
         quiet: bool,
     ) -> Result<()> {
+        self.collector.need_logits = self.settings.grad;
+        if let Some(layers) = model.layers() {
+            return self.run_layer_major(layers, seqs, batch, quiet);
+        }
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
-        self.collector.need_logits = self.settings.grad;
         let hidden = self.fingerprint.hidden;
         let batch =
             batch.unwrap_or_else(|| auto_batch(model.device(), self.settings.seqlen, self.settings.grad, hidden));
@@ -415,12 +467,11 @@ impl Calibration {
             let len = seqs[first].len();
             let n = seqs[first..].iter().take(batch.max(1)).take_while(|s| s.len() == len).count();
             // Deterministic across interruptions and batch sizes: each sequence has its own stream.
-            let seeds: Vec<u64> =
-                (first..first + n).map(|i| self.settings.seed.wrapping_add(i as u64 * 0x1000_0000_01b3)).collect();
-            self.collector.reseed_batch(&seeds);
+            self.collector.reseed_sequences(first, n);
             let flat: Vec<u32> = seqs[first..first + n].iter().flatten().copied().collect();
             let ids = Tensor::from_vec(flat, (n, len), model.device())?;
             let logits = model.forward(&ids, &mut self.collector)?;
+            crate::stream::note_device_memory(model.device());
             if self.settings.grad {
                 let logits = logits.narrow(1, 0, len - 1)?.to_dtype(DType::F32)?.reshape((n * (len - 1), ()))?;
                 let targets = ids.narrow(1, 1, len - 1)?.flatten_all()?;
@@ -449,6 +500,37 @@ impl Calibration {
             }
         }
         pb.finish_and_clear();
+        self.collector.sync()?;
+        self.check_finite()
+    }
+
+    /// [`Self::run`] on a layer-streamed model: all remaining sequences through each layer in
+    /// turn. Gradients need every layer at once (refused when the model was opened), and
+    /// partial saves need every layer done for some sequences, so neither happens here.
+    fn run_layer_major(
+        &mut self,
+        layers: &dyn crate::arch::layered::Layers,
+        seqs: &[Vec<u32>],
+        batch: Option<usize>,
+        quiet: bool,
+    ) -> Result<()> {
+        if self.settings.grad {
+            anyhow::bail!("--grad needs every layer resident for the backward pass; it cannot run layer-streamed");
+        }
+        let first = self.sequences_done;
+        let rest: Vec<&[u32]> = seqs[first..].iter().map(Vec::as_slice).collect();
+        crate::stream::run_layer_major(
+            layers,
+            &rest,
+            first,
+            batch,
+            &mut self.collector,
+            |_, _| Ok(()),
+            "calibrate",
+            quiet,
+        )?;
+        self.sequences_done = seqs.len();
+        self.tokens += rest.iter().map(|s| s.len()).sum::<usize>();
         self.collector.sync()?;
         self.check_finite()
     }

@@ -22,6 +22,8 @@ pub struct TensorInfo {
     pub dtype: safetensors::Dtype,
     pub shape: Vec<usize>,
     pub file: PathBuf,
+    /// Byte range of the data in `file` (safetensors; empty for pickles).
+    pub bytes: std::ops::Range<u64>,
 }
 
 /// A model directory opened for reading.
@@ -80,13 +82,15 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>> {
     let data_len = len - 8 - n;
     let mut out = Vec::new();
     for (name, info) in meta.tensors() {
-        let (_, end) = info.data_offsets;
+        let (start, end) = info.data_offsets;
         if end as u64 > data_len {
             return Err(corrupt(format!(
                 "tensor {name} ends at byte {end} of a {data_len}-byte data section: truncated"
             )));
         }
-        out.push((name, TensorInfo { dtype: info.dtype, shape: info.shape.clone(), file: path.to_path_buf() }));
+        let at = 8 + n;
+        let bytes = at + start as u64..at + end as u64;
+        out.push((name, TensorInfo { dtype: info.dtype, shape: info.shape.clone(), file: path.to_path_buf(), bytes }));
     }
     Ok(out)
 }
@@ -139,7 +143,7 @@ impl Checkpoint {
                         d => bail!("{}: tensor {} has unsupported dtype {d:?}", f.display(), t.name),
                     };
                     let shape = t.layout.shape().dims().to_vec();
-                    tensors.insert(t.name, TensorInfo { dtype, shape, file: f.clone() });
+                    tensors.insert(t.name, TensorInfo { dtype, shape, file: f.clone(), bytes: 0..0 });
                 }
             }
         }
@@ -160,8 +164,81 @@ impl Checkpoint {
         crate::arch::model_type(&self.config)
     }
 
+    /// A view of the weights that reads each tensor with positioned reads when it is asked for
+    /// (nothing mapped, so host memory holds only the tensors in use), for layer-streamed runs.
+    /// Pickles are read lazily by candle's own reader.
+    pub fn streaming_var_builder(&self, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+        Ok(match self.format {
+            WeightFormat::Safetensors => {
+                VarBuilder::from_backend(Box::new(PositionedReads(self.tensors.clone())), dtype, device.clone())
+            }
+            WeightFormat::PytorchBin => self.var_builder(dtype, device)?,
+        })
+    }
+
     pub fn info(&self, name: &str) -> Result<&TensorInfo> {
         self.tensors.get(name).with_context(|| format!("tensor {name} not found in {}", self.dir.display()))
+    }
+}
+
+/// The stored bytes of one safetensors tensor, read at its offset.
+pub fn read_bytes(info: &TensorInfo) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; (info.bytes.end - info.bytes.start) as usize];
+    std::fs::File::open(&info.file)?.read_exact_at(&mut buf, info.bytes.start)?;
+    Ok(buf)
+}
+
+/// A candle weight backend over safetensors files that reads each tensor when it is asked for.
+struct PositionedReads(BTreeMap<String, TensorInfo>);
+
+impl PositionedReads {
+    fn load(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+        use safetensors::Dtype as S;
+        let info = self.0.get(name).ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() })?;
+        let stored = match info.dtype {
+            S::BF16 => DType::BF16,
+            S::F16 => DType::F16,
+            S::F32 => DType::F32,
+            S::F64 => DType::F64,
+            S::I64 => DType::I64,
+            S::I32 => DType::I32,
+            S::U32 => DType::U32,
+            S::U8 => DType::U8,
+            d => return Err(candle_core::Error::Msg(format!("{name}: unsupported dtype {d:?}"))),
+        };
+        let bytes = read_bytes(info).map_err(|e| candle_core::Error::Msg(format!("reading {name}: {e}")))?;
+        candle_core::Tensor::from_raw_buffer(&bytes, stored, &info.shape, dev)?.to_dtype(dtype)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for PositionedReads {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        let t = self.load(name, dtype, dev)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<candle_core::Tensor> {
+        self.load(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_key(name)
     }
 }
 

@@ -51,10 +51,32 @@ pub struct ModelArgs {
     pub device: String,
 }
 
+/// Where the weights live while a model runs.
+#[derive(Debug, Clone, Default, Args)]
+pub struct MemoryArgs {
+    /// Device memory the weights may use (e.g. 4GiB, 512MiB, or bytes): a model larger than
+    /// this runs layer-streamed, one layer's weights on the device at a time. Default: the
+    /// device's free memory (on the CPU, weights are taken to fit).
+    #[arg(long, value_name = "SIZE", value_parser = crate::stream::parse_size)]
+    pub max_device_memory: Option<u64>,
+    /// Run layer-streamed whatever the model's size: weights stay on the host and each layer is
+    /// loaded once per run.
+    #[arg(long)]
+    pub offload: bool,
+}
+
+impl MemoryArgs {
+    pub fn request(&self) -> crate::stream::Request {
+        crate::stream::Request { max_device_memory: self.max_device_memory, offload: self.offload }
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct EvalArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Evaluation text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text).
     #[arg(long)]
     pub data: Option<String>,
@@ -78,6 +100,8 @@ pub struct EvalArgs {
 pub struct InspectArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Calibration text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text).
     #[arg(long)]
     pub data: Option<String>,
@@ -127,16 +151,47 @@ pub struct CalibArgs {
     /// Also accumulate dL/dW for the key/query projections (needed by --method grad).
     #[arg(long)]
     pub grad: bool,
-    /// Sequences per forward pass. Default: 1 on the CPU; on a GPU as many as make 16384 tokens
-    /// (1 with --grad, whose backward keeps every layer's activations). Results do not depend on it.
-    #[arg(long)]
-    pub batch_size: Option<usize>,
+    /// Sequences per forward pass, or `auto` (the default): 1 on the CPU; on a GPU as many as
+    /// make 16384 tokens and fit the memory free (with the current layer resident when
+    /// layer-streamed; 1 with --grad, whose backward keeps every layer's activations). Results
+    /// do not depend on it.
+    #[arg(long, value_parser = batch_size)]
+    pub batch_size: Option<Auto>,
+}
+
+/// `auto` or a number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Auto {
+    Auto,
+    Count(usize),
+}
+
+impl CalibArgs {
+    /// Sequences per pass, `None` for automatic.
+    pub fn batch(&self) -> Option<usize> {
+        match self.batch_size {
+            Some(Auto::Count(n)) => Some(n),
+            _ => None,
+        }
+    }
+}
+
+fn batch_size(s: &str) -> Result<Auto, String> {
+    match s {
+        "auto" => Ok(Auto::Auto),
+        _ => match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Auto::Count(n)),
+            _ => Err(format!("\"{s}\" is not a positive number or auto")),
+        },
+    }
 }
 
 #[derive(Debug, Args)]
 pub struct CalibrateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     #[command(flatten)]
     pub calib: CalibArgs,
     /// Output activations file (.safetensors).
@@ -154,6 +209,8 @@ pub struct CalibrateArgs {
 pub struct PruneArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub memory: MemoryArgs,
     /// Recipe file (TOML) with any of the flags below; flags given on the command line win.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -238,6 +295,7 @@ impl PruneArgs {
                 dtype: "auto".into(),
                 device: "cpu".into(),
             },
+            memory: MemoryArgs::default(),
             config: Some(config.to_path_buf()),
             method: None,
             ratio: None,

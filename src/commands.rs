@@ -2,7 +2,7 @@
 
 use crate::arch::{family_for, CausalLm, Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
-use crate::cli::{EvalArgs, InspectArgs, ModelArgs};
+use crate::cli::{EvalArgs, InspectArgs, MemoryArgs, ModelArgs};
 use crate::data::{windows, TextSource, TextTokenizer};
 use anyhow::{Context, Result};
 use std::time::Instant;
@@ -14,10 +14,17 @@ pub struct Loaded {
     pub layout: StateLayout,
     pub model: Box<dyn CausalLm>,
     pub tokenizer: TextTokenizer,
+    /// Whether the model runs layer-streamed.
+    pub streamed: bool,
 }
 
 /// Resolve, validate and load a model (weights last, after every cheap check passed).
 pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
+    load_with(args, &MemoryArgs::default(), grad, quiet)
+}
+
+/// [`load`], layer-streamed when `memory` asks for it or the weights do not fit the device.
+pub fn load_with(args: &ModelArgs, memory: &MemoryArgs, grad: bool, quiet: bool) -> Result<Loaded> {
     let start = Instant::now();
     let dir = crate::hub::resolve_model(&args.model, &args.revision)?;
     let ckpt = Checkpoint::open(&dir)?;
@@ -26,13 +33,31 @@ pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
     let tokenizer = TextTokenizer::load(&dir, args.tokenizer.as_deref(), &ckpt.config)?;
     let device = crate::device::parse_device(&args.device)?;
     let dtype = crate::device::parse_dtype(&args.dtype, &device)?;
-    let model = family
-        .load(&ckpt, &LoadOptions { dtype, device, grad })
-        .with_context(|| format!("loading {} from {}", ckpt.model_type().unwrap_or_default(), dir.display()))?;
+    let (model, streamed) = open_model(&ckpt, family, &LoadOptions { dtype, device, grad }, memory)?;
     if !quiet {
-        eprintln!("loaded {} ({}) in {:.2?}", args.model, layout.family, start.elapsed());
+        let how = if streamed { ", layer-streamed" } else { "" };
+        eprintln!("loaded {} ({}{how}) in {:.2?}", args.model, layout.family, start.elapsed());
     }
-    Ok(Loaded { ckpt, family, layout, model, tokenizer })
+    Ok(Loaded { ckpt, family, layout, model, tokenizer, streamed })
+}
+
+/// The model of `ckpt`, resident or layer-streamed (see `crate::stream::decide`), and which.
+pub fn open_model(
+    ckpt: &Checkpoint,
+    family: &dyn Family,
+    opts: &LoadOptions,
+    memory: &MemoryArgs,
+) -> Result<(Box<dyn CausalLm>, bool)> {
+    let what = || format!("loading {} from {}", ckpt.model_type().unwrap_or_default(), ckpt.dir.display());
+    let weights = ckpt.streaming_var_builder(opts.dtype, &opts.device)?;
+    let layers = family.layers(ckpt, opts, weights).with_context(what)?;
+    let sizes = crate::stream::StageSizes::of(ckpt, layers.as_ref(), opts.dtype);
+    if crate::stream::decide(&memory.request(), &sizes, &opts.device, opts.dtype, opts.grad)? {
+        return Ok((Box::new(crate::arch::layered::Streamed::new(layers)), true));
+    }
+    let model = family.load(ckpt, opts).with_context(what)?;
+    crate::stream::note_device_memory(&opts.device);
+    Ok((model, false))
 }
 
 /// Tokenized calibration sequences: documents joined with the end-of-text token and cut into
@@ -69,7 +94,7 @@ pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize,
 pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
     let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
-    let m = load(&args.model, false, quiet)?;
+    let m = load_with(&args.model, &args.memory, false, quiet)?;
     let tokens = m.tokenizer.stream(src.documents()?, args.windows * args.seqlen + 1)?;
     let wins = windows(&tokens, args.seqlen, args.windows);
     let r = crate::eval::perplexity(m.model.as_ref(), &wins, args.batch_size, quiet)?;
@@ -87,7 +112,7 @@ pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
 pub fn inspect(args: &InspectArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
     let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
-    let m = load(&args.model, false, quiet)?;
+    let m = load_with(&args.model, &args.memory, false, quiet)?;
     let seqs = sequences(&m.tokenizer, &src, args.nsamples, args.seqlen, quiet)?;
     let mut r = crate::inspect::inspect(m.model.as_ref(), &m.layout, &seqs, args.rows, args.seed, quiet)?;
     r.model = args.model.model.clone();
@@ -132,7 +157,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
     if args.output.exists() && !args.resume {
         anyhow::bail!("{} already exists; remove it or choose another -o", args.output.display());
     }
-    let m = load(&args.model, args.calib.grad, quiet)?;
+    let m = load_with(&args.model, &args.memory, args.calib.grad, quiet)?;
     let hidden = m
         .ckpt
         .config
@@ -167,7 +192,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         cal
     };
     let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
-    cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, Some((&partial, args.save_every)), quiet)?;
+    cal.run(m.model.as_ref(), &seqs, args.calib.batch(), Some((&partial, args.save_every)), quiet)?;
     cal.save(&args.output, true)?;
     if partial.exists() {
         std::fs::remove_file(&partial)?;

@@ -44,9 +44,14 @@ pub fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
 
 /// Free memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
 pub fn free_memory(device: &Device) -> Option<usize> {
+    memory_info(device).map(|(free, _)| free)
+}
+
+/// (free, total) memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
+pub fn memory_info(device: &Device) -> Option<(usize, usize)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
-        return d.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free);
+        return d.cuda_stream().context().mem_get_info().ok();
     }
     let _ = device;
     None

@@ -138,6 +138,9 @@ impl Observer for InspectObserver {
     fn needs_logits(&self) -> bool {
         false
     }
+    fn sequences(&mut self, first: usize, n: usize) -> Result<()> {
+        self.collector.sequences(first, n)
+    }
     fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
         self.collector.qk_input(layer, x)
     }
@@ -195,13 +198,21 @@ pub fn inspect(
     quiet: bool,
 ) -> Result<InspectReport> {
     let mut obs = InspectObserver::new(layout, rows, seed);
-    let pb = crate::progress::bar(sequences.len() as u64, "inspect", quiet);
-    for seq in sequences {
-        let ids = Tensor::from_slice(seq, (1, seq.len()), model.device())?;
-        model.forward(&ids, &mut obs)?;
-        pb.inc(1);
+    if let Some(layers) = model.layers() {
+        let seqs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+        crate::stream::run_layer_major(layers, &seqs, 0, None, &mut obs, |_, _| Ok(()), "inspect", quiet)?;
+    } else {
+        let pb = crate::progress::bar(sequences.len() as u64, "inspect", quiet);
+        for (i, seq) in sequences.iter().enumerate() {
+            // Each sequence samples from its own streams, as in calibration, so that a
+            // layer-streamed run draws the same rows.
+            obs.collector.reseed_sequences(i, 1);
+            let ids = Tensor::from_slice(seq, (1, seq.len()), model.device())?;
+            model.forward(&ids, &mut obs)?;
+            pb.inc(1);
+        }
+        pb.finish_and_clear();
     }
-    pb.finish_and_clear();
     obs.collector.sync()?;
     let dk = layout.dk;
     let mut layers = Vec::new();

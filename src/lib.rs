@@ -27,5 +27,6 @@ pub mod report;
 pub mod select;
 pub mod serving;
 pub mod staging;
+pub mod stream;
 pub mod surgery;
 pub mod torch_save;

@@ -7,7 +7,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::PruneArgs;
 use crate::data::{windows, TextSource};
 use crate::recipe::Plan;
-use crate::report::{CalibrationInfo, HeadReport, LayerReport, Perplexity, PruneReport};
+use crate::report::{CalibrationInfo, HeadReport, LayerReport, MemoryInfo, Perplexity, PruneReport};
 use crate::select::{self, HeadChoice, Method, ScoreOn};
 use crate::surgery::{kept_rows, write_checkpoint, KeepSets, Staged};
 use anyhow::{bail, Context, Result};
@@ -192,7 +192,12 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     let mut clock = Clock::start();
     let need_model = calibrate_now || eval_src.is_some() || args.prune_partitions.is_some();
     let loaded = if need_model {
-        Some(crate::commands::load(&args.model, calibrate_now && plan.method == Method::Grad, quiet)?)
+        Some(crate::commands::load_with(
+            &args.model,
+            &args.memory,
+            calibrate_now && plan.method == Method::Grad,
+            quiet,
+        )?)
     } else {
         None
     };
@@ -212,7 +217,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
             };
             let mut cal = Calibration::new(settings, &layout, hidden);
             cal.text_column = plan.calib.text_column.clone();
-            cal.run(m.model.as_ref(), &seqs, args.calib.batch_size, None, quiet)?;
+            cal.run(m.model.as_ref(), &seqs, args.calib.batch(), None, quiet)?;
             Some(cal)
         }
         _ => None,
@@ -241,6 +246,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         }
         _ => None,
     };
+    let mut streamed = loaded.as_ref().is_some_and(|m| m.streamed);
     drop(loaded);
     let mut config = ckpt.config.clone();
     family.set_key_width(&mut config, &layout, k)?;
@@ -258,9 +264,10 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     }
     let device = crate::device::parse_device(&args.model.device)?;
     let dtype = crate::device::parse_dtype(&args.model.dtype, &device)?;
-    let reloaded = family
-        .load(&out_ckpt, &LoadOptions { dtype, device, grad: false })
+    let opts = LoadOptions { dtype, device, grad: false };
+    let (reloaded, reload_streamed) = crate::commands::open_model(&out_ckpt, family, &opts, &args.memory)
         .context("reloading the pruned checkpoint")?;
+    streamed |= reload_streamed;
     let after = match &wins {
         Some(w) => Some(ppl(reloaded.as_ref(), w, quiet)?),
         None => None,
@@ -305,6 +312,10 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
         },
         serving,
         rrqr_bounds_hold: (!checked.is_empty()).then(|| (checked.iter().filter(|b| **b).count(), checked.len())),
+        memory: {
+            let (peak_bytes, measured) = crate::stream::peak_memory(&opts.device);
+            MemoryInfo { streamed, peak_bytes, measured }
+        },
         layers,
     };
     std::fs::write(staged.tmp.join("statecut_report.json"), serde_json::to_string_pretty(&report)? + "\n")?;

@@ -38,6 +38,17 @@ pub struct CalibrationInfo {
     pub rows_per_layer: usize,
 }
 
+/// How the run held the model, and the most memory it used.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryInfo {
+    /// Whether a model ran layer-streamed (one layer's weights on the device at a time).
+    pub streamed: bool,
+    /// Peak device memory in bytes (the CPU: the process's peak resident set).
+    pub peak_bytes: Option<u64>,
+    /// How `peak_bytes` was measured.
+    pub measured: &'static str,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct PruneReport {
     pub tool: &'static str,
@@ -65,6 +76,7 @@ pub struct PruneReport {
     pub seconds: std::collections::BTreeMap<String, f64>,
     /// Heads whose strong-RRQR bounds hold / heads checked (DRRQR only).
     pub rrqr_bounds_hold: Option<(usize, usize)>,
+    pub memory: MemoryInfo,
     pub layers: Vec<LayerReport>,
 }
 
@@ -119,6 +131,11 @@ impl PruneReport {
         }
         if let Some((ok, n)) = self.rrqr_bounds_hold {
             s += &format!("| strong-RRQR bounds hold | {ok} / {n} heads |\n");
+        }
+        let m = &self.memory;
+        s += &format!("| layer-streamed | {} |\n", if m.streamed { "yes" } else { "no" });
+        if let Some(b) = m.peak_bytes {
+            s += &format!("| peak memory | {} ({}) |\n", crate::stream::human(b), m.measured);
         }
         s += &format!("| statecut | {} |\n\n", self.version);
         s += &self.serving.markdown();

@@ -134,16 +134,75 @@ impl WriteStats {
     /// Slice a tensor when it has kept rows, and count it.
     fn pass<'a>(&mut self, raw: RawTensor<'a>, keep: Option<&Vec<usize>>) -> RawTensor<'a> {
         let raw = match keep {
-            Some(keep) => {
-                self.sliced += 1;
-                slice_rows(raw, keep)
-            }
+            Some(keep) => slice_rows(raw, keep),
             None => raw,
         };
-        self.tensors += 1;
-        self.bytes += raw.data.len() as u64;
-        self.params += raw.shape.iter().product::<usize>();
+        self.count(&raw.shape, raw.data.len(), keep.is_some());
         raw
+    }
+
+    /// Count a written tensor of `shape` and `bytes`.
+    fn count(&mut self, shape: &[usize], bytes: usize, sliced: bool) {
+        self.sliced += usize::from(sliced);
+        self.tensors += 1;
+        self.bytes += bytes as u64;
+        self.params += shape.iter().product::<usize>();
+    }
+}
+
+/// A stored safetensors tensor, optionally with only rows `keep`, read from its file when the
+/// writer asks for its bytes. A read that fails is recorded in `failed` (the writer's
+/// interface cannot return it) and fails the write.
+struct StoredTensor<'a> {
+    info: &'a crate::checkpoint::TensorInfo,
+    keep: Option<&'a Vec<usize>>,
+    shape: Vec<usize>,
+    failed: &'a std::sync::Mutex<Option<String>>,
+}
+
+impl<'a> StoredTensor<'a> {
+    fn new(
+        info: &'a crate::checkpoint::TensorInfo,
+        keep: Option<&'a Vec<usize>>,
+        failed: &'a std::sync::Mutex<Option<String>>,
+    ) -> Self {
+        let mut shape = info.shape.clone();
+        if let (Some(k), Some(rows)) = (keep, shape.first_mut()) {
+            *rows = k.len();
+        }
+        Self { info, keep, shape, failed }
+    }
+}
+
+impl safetensors::View for StoredTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.info.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        let data = match crate::checkpoint::read_bytes(self.info) {
+            Ok(d) => d,
+            Err(e) => {
+                if let Ok(mut f) = self.failed.lock() {
+                    f.get_or_insert(e.to_string());
+                }
+                return Cow::Owned(vec![0; self.data_len()]);
+            }
+        };
+        let raw = RawTensor { dtype: self.info.dtype, shape: self.info.shape.clone(), data: Cow::Owned(data) };
+        match self.keep {
+            Some(k) => slice_rows(raw, k).data.into_owned().into(),
+            None => raw.data.into_owned().into(),
+        }
+    }
+    fn data_len(&self) -> usize {
+        let stored = (self.info.bytes.end - self.info.bytes.start) as usize;
+        match self.keep {
+            Some(k) => stored / self.info.shape[0].max(1) * k.len(),
+            None => stored,
+        }
     }
 }
 
@@ -161,22 +220,24 @@ pub fn write_checkpoint(
         write_pytorch_bin(ckpt, rows, dir, &mut stats)?;
     }
     for file in ckpt.files.iter().filter(|_| ckpt.format == WeightFormat::Safetensors) {
-        let f = std::fs::File::open(file)?;
-        // SAFETY: read-only map of an input file that statecut never modifies.
-        let mmap = unsafe { memmap2::Mmap::map(&f)? };
-        let st = safetensors::SafeTensors::deserialize(&mmap).with_context(|| format!("reading {}", file.display()))?;
+        let fname = file.file_name().unwrap().to_string_lossy().into_owned();
+        let failed = std::sync::Mutex::new(None);
         let mut out = Vec::new();
-        for (name, view) in st.tensors() {
-            let raw = RawTensor { dtype: view.dtype(), shape: view.shape().to_vec(), data: Cow::Borrowed(view.data()) };
-            let raw = stats.pass(raw, rows.get(&name));
-            let fname = file.file_name().unwrap().to_string_lossy().into_owned();
-            weight_map.insert(name.clone(), serde_json::Value::String(fname));
-            out.push((name, raw));
+        for (name, info) in ckpt.tensors.iter().filter(|(_, t)| &t.file == file) {
+            let t = StoredTensor::new(info, rows.get(name), &failed);
+            stats.count(&t.shape, safetensors::View::data_len(&t), t.keep.is_some());
+            weight_map.insert(name.clone(), serde_json::Value::String(fname.clone()));
+            out.push((name.clone(), t));
         }
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let target = dir.join(file.file_name().unwrap());
-        safetensors::serialize_to_file(out, Some(meta), &target)
-            .with_context(|| format!("writing {}", target.display()))?;
+        let target = dir.join(&fname);
+        // Each tensor is read (and sliced) only when the writer reaches it: host memory holds
+        // one tensor at a time, not the shard.
+        let written = safetensors::serialize_to_file(out, Some(meta), &target);
+        if let Some(e) = failed.lock().ok().and_then(|mut f| f.take()) {
+            bail!("reading {}: {e}", file.display());
+        }
+        written.with_context(|| format!("writing {}", target.display()))?;
     }
     if ckpt.sharded {
         let index = serde_json::json!({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map});

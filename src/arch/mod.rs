@@ -7,6 +7,7 @@
 
 mod defaults;
 pub mod fla;
+pub mod layered;
 pub mod mamba2;
 pub mod qwen3_5;
 pub mod sse;
@@ -89,6 +90,12 @@ pub trait Observer {
     /// layer's activations many times over (Qwen3.5's vocabulary is 248k).
     fn needs_logits(&self) -> bool {
         true
+    }
+    /// Layer-streamed runs: the next forward continues sequences `first..first + n` of the run
+    /// (numbered from 0 in the order a resident run feeds them), at the layer after the one
+    /// they last went through. Observers with per-sequence state pick it up here.
+    fn sequences(&mut self, _first: usize, _n: usize) -> Result<()> {
+        Ok(())
     }
     /// Hidden states as transformers' `output_hidden_states` returns them: index 0 = embeddings,
     /// except for Mamba-2, whose index i is the residual after block i; the last index is the
@@ -213,6 +220,11 @@ pub trait CausalLm {
     /// Projection weights loaded as variables (with `LoadOptions::grad`), by checkpoint name.
     fn grad_vars(&self) -> &[(String, Var)];
     fn device(&self) -> &Device;
+    /// The stages of a layer-streamed model, which calibration, evaluation and inspection run
+    /// layer-major (`crate::stream`) instead of calling [`CausalLm::forward`] per batch.
+    fn layers(&self) -> Option<&dyn layered::Layers> {
+        None
+    }
 }
 
 /// How to load a model.
@@ -235,7 +247,18 @@ pub trait Family: Sync {
     /// The `model_type` values this family reads.
     fn model_types(&self) -> &'static [&'static str];
     fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout>;
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>>;
+    /// The model's stages over `weights` (a view of `ckpt`'s tensors in `opts`' dtype and device).
+    fn layers(
+        &self,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        weights: VarBuilder<'static>,
+    ) -> Result<Box<dyn layered::Layers>>;
+    /// The model with every stage loaded from the memory-mapped weights.
+    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+        let weights = ckpt.var_builder(opts.dtype, &opts.device)?;
+        Ok(Box::new(layered::Resident::load(self.layers(ckpt, opts, weights)?)?))
+    }
     /// Edit config.json so that the family's library rebuilds the model with key width `dk`.
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()>;
     /// Models with routed state partitions: keep partitions `keep[layer]` (ascending, the same

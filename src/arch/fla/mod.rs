@@ -5,9 +5,11 @@
 mod model;
 pub mod stack;
 
-use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use super::layered::Layers;
+use super::{parse, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Result};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -164,9 +166,9 @@ fn layout(ckpt: &Checkpoint, kind: Kind) -> Result<StateLayout> {
     Ok(StateLayout { family: format!("{kind:?}"), dk: d.dk, layers, num_layers: cfg.num_hidden_layers })
 }
 
-fn load(ckpt: &Checkpoint, opts: &LoadOptions, kind: Kind) -> Result<Box<dyn CausalLm>> {
+fn layers(ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>, kind: Kind) -> Result<Box<dyn Layers>> {
     let cfg: FlaConfig = parse(ckpt, &ckpt.config)?;
-    Ok(Box::new(FlaModel::load_fla(ckpt, &cfg, cfg.dims(kind)?, opts)?))
+    Ok(Box::new(FlaModel::fla_layers(vb, &cfg, cfg.dims(kind)?, opts)))
 }
 
 pub struct DeltaNetFamily;
@@ -179,8 +181,8 @@ impl Family for DeltaNetFamily {
     fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::DeltaNet)
     }
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
-        load(ckpt, opts, Kind::DeltaNet)
+    fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
+        layers(ckpt, opts, vb, Kind::DeltaNet)
     }
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
         // fla DeltaNet has no head_dim: key_dim = int(hidden_size * expand_k).
@@ -198,8 +200,8 @@ impl Family for GatedDeltaNetFamily {
     fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::GatedDeltaNet)
     }
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
-        load(ckpt, opts, Kind::GatedDeltaNet)
+    fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
+        layers(ckpt, opts, vb, Kind::GatedDeltaNet)
     }
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
         // fla ties head_v_dim = int(head_dim * expand_v): keep d_v by rescaling expand_v.

@@ -1,9 +1,8 @@
 //! Candle forward of fla DeltaNet / Gated DeltaNet causal LMs.
 
-use super::stack::{FlaStack, StackShape, TokenMixer};
+use super::stack::{FlaLayers, FlaStack, StackShape, TokenMixer};
 use super::{Dims, FlaConfig, Kind};
 use crate::arch::{projection, LayerCache, LoadOptions, Observer};
-use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
@@ -141,7 +140,8 @@ impl TokenMixer for Mixer {
 pub type FlaModel = FlaStack<Mixer>;
 
 impl FlaStack<Mixer> {
-    pub fn load_fla(ckpt: &Checkpoint, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> Result<Self> {
+    /// The stages of a DeltaNet / Gated DeltaNet model over `vb`.
+    pub fn fla_layers(vb: VarBuilder<'static>, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> FlaLayers<Mixer> {
         let shape = StackShape {
             vocab: cfg.vocab_size,
             hidden: d.hidden,
@@ -150,6 +150,7 @@ impl FlaStack<Mixer> {
             norm_eps: cfg.norm_eps,
             tie_word_embeddings: cfg.tie_word_embeddings,
         };
-        FlaStack::load(ckpt, &shape, opts, |vb, i, vars| Mixer::load(vb, cfg, d, i, opts.grad, vars))
+        let (cfg, grad) = (cfg.clone(), opts.grad);
+        FlaStack::layers(vb, shape, opts, move |vb, i, vars| Mixer::load(vb, &cfg, d, i, grad, vars))
     }
 }

@@ -2,13 +2,13 @@
 //! DeltaNet, SSE): embeddings, then per layer `x + mixer(attn_norm(x))` and
 //! `x + mlp(mlp_norm(x))`, a final norm and the LM head (tied to the embeddings or not).
 
+use crate::arch::layered::{Head, Layers, Resident};
 use crate::arch::{CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
-use crate::checkpoint::Checkpoint;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::profile::mark;
-use anyhow::{Context, Result};
-use candle_core::{Device, Module, Tensor, Var};
+use anyhow::Result;
+use candle_core::{Device, Tensor, Var};
 use candle_nn::{linear_no_bias, Embedding, Linear, VarBuilder};
 
 /// A block's token mixer (the part under `model.layers.{i}.attn`).
@@ -33,90 +33,115 @@ struct Block<M> {
     mlp: SwiGlu,
 }
 
-/// An fla causal LM whose token mixers are `M`.
-pub struct FlaStack<M> {
-    embed: Embedding,
-    blocks: Vec<Block<M>>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    vars: Vec<(String, Var)>,
+impl<M: TokenMixer> super::super::layered::Block for Block<M> {
+    fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        let dev = h.device();
+        let x = self.attn_norm.forward(h)?;
+        mark("norm", dev);
+        let h = (h + self.attn.forward(&x, obs, cache)?)?;
+        mark("mixer output", dev);
+        let x = self.mlp_norm.forward(&h)?;
+        mark("norm", dev);
+        let h = (&h + self.mlp.forward(&x)?)?;
+        mark("mlp", dev);
+        Ok(h)
+    }
+}
+
+/// Loads layer `i`'s token mixer from its `attn` prefix, registering gradient variables.
+pub type MixerLoader<M> = dyn Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<M> + Send + Sync;
+
+/// The stages of an fla causal LM whose token mixers are `M`.
+pub struct FlaLayers<M> {
+    vb: VarBuilder<'static>,
+    shape: StackShape,
+    mixer: Box<MixerLoader<M>>,
     device: Device,
 }
 
-impl<M: TokenMixer> FlaStack<M> {
-    /// Load the stack; `mixer(vb, layer, vars)` loads layer `layer`'s mixer from `vb` (its
-    /// `attn` prefix) and registers any gradient variables in `vars`.
-    pub fn load(
-        ckpt: &Checkpoint,
-        s: &StackShape,
-        opts: &LoadOptions,
-        mut mixer: impl FnMut(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<M>,
-    ) -> Result<Self> {
-        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
-        let m = vb.pp("model");
-        let embed_w = m.pp("embeddings").get((s.vocab, s.hidden), "weight")?;
-        let norm = |vb: VarBuilder| RmsNorm::load(vb, s.hidden, s.norm_eps, NormWeight::Plain);
-        let mut vars = Vec::new();
-        let mut blocks = Vec::new();
-        for i in 0..s.layers {
-            let l = m.pp(format!("layers.{i}"));
-            blocks.push(Block {
-                attn_norm: norm(l.pp("attn_norm"))?,
-                attn: mixer(l.pp("attn"), i, &mut vars).with_context(|| format!("loading layer {i}"))?,
-                mlp_norm: norm(l.pp("mlp_norm"))?,
-                mlp: SwiGlu::load(l.pp("mlp"), s.hidden, s.intermediate)?,
-            });
-        }
-        let lm_head = if s.tie_word_embeddings {
-            Linear::new(embed_w.clone(), None)
-        } else {
-            linear_no_bias(s.hidden, s.vocab, vb.pp("lm_head"))?
-        };
-        Ok(Self {
-            embed: Embedding::new(embed_w, s.hidden),
-            blocks,
-            norm: norm(m.pp("norm"))?,
-            lm_head,
-            vars,
-            device: opts.device.clone(),
-        })
+impl<M> FlaLayers<M> {
+    fn norm(&self, vb: VarBuilder) -> Result<RmsNorm> {
+        Ok(RmsNorm::load(vb, self.shape.hidden, self.shape.norm_eps, NormWeight::Plain)?)
     }
 }
 
-impl<M: TokenMixer> CausalLm for FlaStack<M> {
-    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
-        let dev = &self.device;
-        mark("outside forward", dev);
-        let mut h = self.embed.forward(ids)?;
-        obs.hidden(0, &h)?;
-        mark("embed", dev);
-        let n = self.blocks.len();
-        if let Some(c) = cache.as_deref_mut() {
-            c.begin(n, ids.dim(1)?);
-        }
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let x = blk.attn_norm.forward(&h)?;
-            mark("norm", dev);
-            h = (&h + blk.attn.forward(&x, obs, lc).with_context(|| format!("layer {i}"))?)?;
-            mark("mixer output", dev);
-            let x = blk.mlp_norm.forward(&h)?;
-            mark("norm", dev);
-            h = (&h + blk.mlp.forward(&x)?)?;
-            mark("mlp", dev);
-            if i + 1 < n {
-                obs.hidden(i + 1, &h)?;
-                mark("observer", dev);
-            }
-        }
-        crate::arch::head(&h, &self.norm, &self.lm_head, obs, n)
+impl<M: TokenMixer + 'static> Layers for FlaLayers<M> {
+    fn num_blocks(&self) -> usize {
+        self.shape.layers
     }
 
-    fn grad_vars(&self) -> &[(String, Var)] {
-        &self.vars
+    fn embed(&self) -> Result<Embedding> {
+        let w = self.vb.pp("model.embeddings").get((self.shape.vocab, self.shape.hidden), "weight")?;
+        Ok(Embedding::new(w, self.shape.hidden))
+    }
+
+    fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn super::super::layered::Block>> {
+        let l = self.vb.pp(format!("model.layers.{i}"));
+        Ok(Box::new(Block {
+            attn_norm: self.norm(l.pp("attn_norm"))?,
+            attn: (self.mixer)(l.pp("attn"), i, vars)?,
+            mlp_norm: self.norm(l.pp("mlp_norm"))?,
+            mlp: SwiGlu::load(l.pp("mlp"), self.shape.hidden, self.shape.intermediate)?,
+        }))
+    }
+
+    fn head(&self, embed: Option<&Embedding>) -> Result<Head> {
+        let s = &self.shape;
+        let lm_head = match embed {
+            Some(e) if s.tie_word_embeddings => Linear::new(e.embeddings().clone(), None),
+            _ if s.tie_word_embeddings => Linear::new(self.embed()?.embeddings().clone(), None),
+            _ => linear_no_bias(s.hidden, s.vocab, self.vb.pp("lm_head"))?,
+        };
+        Ok(Head { norm: self.norm(self.vb.pp("model.norm"))?, lm_head })
+    }
+
+    fn block_prefix(&self, i: usize) -> String {
+        format!("model.layers.{i}.")
+    }
+
+    fn embed_name(&self) -> String {
+        "model.embeddings.weight".into()
     }
 
     fn device(&self) -> &Device {
         &self.device
+    }
+}
+
+/// An fla causal LM whose token mixers are `M`, every stage loaded.
+pub struct FlaStack<M> {
+    model: Resident,
+    _mixer: std::marker::PhantomData<M>,
+}
+
+impl<M: TokenMixer + 'static> FlaStack<M> {
+    /// The stages over `vb`; `mixer(vb, layer, vars)` loads layer `layer`'s mixer from `vb` (its
+    /// `attn` prefix) and registers any gradient variables in `vars`.
+    pub fn layers(
+        vb: VarBuilder<'static>,
+        s: StackShape,
+        opts: &LoadOptions,
+        mixer: impl Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<M> + Send + Sync + 'static,
+    ) -> FlaLayers<M> {
+        FlaLayers { vb, shape: s, mixer: Box::new(mixer), device: opts.device.clone() }
+    }
+
+    /// Every stage of `layers` loaded.
+    pub fn from_layers(layers: FlaLayers<M>) -> Result<Self> {
+        Ok(Self { model: Resident::load(Box::new(layers))?, _mixer: std::marker::PhantomData })
+    }
+}
+
+impl<M: TokenMixer> CausalLm for FlaStack<M> {
+    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, cache: Option<&mut DecodeCache>) -> Result<Tensor> {
+        self.model.run(ids, obs, cache)
+    }
+
+    fn grad_vars(&self) -> &[(String, Var)] {
+        self.model.grad_vars()
+    }
+
+    fn device(&self) -> &Device {
+        self.model.device()
     }
 }

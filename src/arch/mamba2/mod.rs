@@ -8,13 +8,13 @@
 mod config;
 mod model;
 
-use super::{CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use super::{Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
 pub use config::{float_of, Format, Mamba2Config};
-pub use model::Mamba2Model;
+pub use model::Mamba2Layers;
 
 fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
     Mamba2Config::from_value(&ckpt.config)
@@ -57,8 +57,13 @@ impl Family for Mamba2Family {
         Ok(layout_of(&config(ckpt)?, |t| ckpt.tensors.contains_key(t)))
     }
 
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
-        Ok(Box::new(Mamba2Model::load(ckpt, &config(ckpt)?, opts)?))
+    fn layers(
+        &self,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        vb: candle_nn::VarBuilder<'static>,
+    ) -> Result<Box<dyn super::layered::Layers>> {
+        Ok(Box::new(Mamba2Layers::new(ckpt, &config(ckpt)?, opts, vb)?))
     }
 
     fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {

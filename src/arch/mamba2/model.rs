@@ -2,7 +2,8 @@
 //! `MambaLMHeadModel`): pre-norm residual blocks of one Mamba-2 mixer each.
 
 use super::config::Mamba2Config;
-use crate::arch::{projection, CausalLm, DecodeCache, LayerCache, LoadOptions, Observer};
+use crate::arch::layered::{self, Head, Layers};
+use crate::arch::{projection, LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -150,75 +151,81 @@ struct Block {
     mixer: Mixer,
 }
 
-/// A Mamba-2 causal LM.
-pub struct Mamba2Model {
-    embed: Embedding,
-    blocks: Vec<Block>,
-    norm_f: RmsNorm,
-    lm_head: Linear,
-    vars: Vec<(String, Var)>,
+impl layered::Block for Block {
+    fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        let x = self.norm.forward(h)?;
+        mark("norm", h.device());
+        let h = (h + self.mixer.forward(&x, obs, cache)?)?;
+        mark("mixer output", h.device());
+        Ok(h)
+    }
+}
+
+/// The stages of a Mamba-2 causal LM.
+pub struct Mamba2Layers {
+    vb: VarBuilder<'static>,
+    ckpt: Checkpoint,
+    cfg: Mamba2Config,
+    /// mamba_ssm pads the vocabulary: the stored size.
+    vocab: usize,
+    grad: bool,
     device: Device,
 }
 
-impl Mamba2Model {
-    pub fn load(ckpt: &Checkpoint, cfg: &Mamba2Config, opts: &LoadOptions) -> Result<Self> {
-        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
-        let bb = vb.pp("backbone");
-        let emb_name = cfg.format.embedding();
-        // mamba_ssm pads the vocabulary; read the stored size
-        let vocab = *ckpt.info(emb_name)?.shape.first().context("embedding has no shape")?;
-        let embed_w = vb.get((vocab, cfg.hidden), emb_name)?;
-        let mut vars = Vec::new();
-        let mut blocks = Vec::new();
-        for i in 0..cfg.layers {
-            let l = bb.pp(format!("layers.{i}"));
-            blocks.push(Block {
-                norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
-                mixer: Mixer::load(l.pp("mixer"), cfg, i, ckpt, opts.grad, &mut vars)
-                    .with_context(|| format!("loading layer {i}"))?,
-            });
-        }
-        let lm_head = if cfg.tie || !ckpt.tensors.contains_key("lm_head.weight") {
-            Linear::new(embed_w.clone(), None)
-        } else {
-            Linear::new(vb.get((vocab, cfg.hidden), "lm_head.weight")?, None)
-        };
-        Ok(Self {
-            embed: Embedding::new(embed_w, cfg.hidden),
-            blocks,
-            norm_f: RmsNorm::load(bb.pp("norm_f"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
-            lm_head,
-            vars,
-            device: opts.device.clone(),
-        })
+impl Mamba2Layers {
+    pub fn new(ckpt: &Checkpoint, cfg: &Mamba2Config, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Self> {
+        let vocab = *ckpt.info(cfg.format.embedding())?.shape.first().context("embedding has no shape")?;
+        Ok(Self { vb, ckpt: ckpt.clone(), cfg: cfg.clone(), vocab, grad: opts.grad, device: opts.device.clone() })
     }
 }
 
-impl CausalLm for Mamba2Model {
-    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
-        // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
-        // after block i (the last block's too), then the final norm's output.
-        let dev = &self.device;
-        mark("outside forward", dev);
-        let mut h = self.embed.forward(ids)?;
-        if let Some(c) = cache.as_deref_mut() {
-            c.begin(self.blocks.len(), ids.dim(1)?);
-        }
-        mark("embed", dev);
-        for (i, blk) in self.blocks.iter().enumerate() {
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let x = blk.norm.forward(&h)?;
-            mark("norm", dev);
-            h = (&h + blk.mixer.forward(&x, obs, lc)?)?;
-            mark("mixer output", dev);
-            obs.hidden(i, &h)?;
-            mark("observer", dev);
-        }
-        crate::arch::head(&h, &self.norm_f, &self.lm_head, obs, self.blocks.len())
+impl Layers for Mamba2Layers {
+    fn num_blocks(&self) -> usize {
+        self.cfg.layers
     }
 
-    fn grad_vars(&self) -> &[(String, Var)] {
-        &self.vars
+    fn embed(&self) -> Result<Embedding> {
+        Ok(Embedding::new(self.vb.get((self.vocab, self.cfg.hidden), self.cfg.format.embedding())?, self.cfg.hidden))
+    }
+
+    fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn layered::Block>> {
+        let (cfg, l) = (&self.cfg, self.vb.pp(format!("backbone.layers.{i}")));
+        Ok(Box::new(Block {
+            norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
+            mixer: Mixer::load(l.pp("mixer"), cfg, i, &self.ckpt, self.grad, vars)?,
+        }))
+    }
+
+    fn head(&self, embed: Option<&Embedding>) -> Result<Head> {
+        let cfg = &self.cfg;
+        let lm_head = if cfg.tie || !self.ckpt.tensors.contains_key("lm_head.weight") {
+            match embed {
+                Some(e) => e.embeddings().clone(),
+                None => self.embed()?.embeddings().clone(),
+            }
+        } else {
+            self.vb.get((self.vocab, cfg.hidden), "lm_head.weight")?
+        };
+        let norm = RmsNorm::load(self.vb.pp("backbone.norm_f"), cfg.hidden, cfg.eps, NormWeight::Plain)?;
+        Ok(Head { norm, lm_head: Linear::new(lm_head, None) })
+    }
+
+    fn block_prefix(&self, i: usize) -> String {
+        format!("backbone.layers.{i}.")
+    }
+
+    fn embed_name(&self) -> String {
+        self.cfg.format.embedding().into()
+    }
+
+    // transformers' Mamba2 `hidden_states` has no embedding entry: entry i is the residual
+    // after block i (the last block's too), then the final norm's output.
+    fn hidden_after(&self, i: usize) -> Option<usize> {
+        Some(i)
+    }
+
+    fn reports_embeddings(&self) -> bool {
+        false
     }
 
     fn device(&self) -> &Device {

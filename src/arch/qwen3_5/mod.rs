@@ -12,13 +12,13 @@ mod gdn;
 mod model;
 mod moe;
 
-use super::{CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use super::{Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
 pub use config::{TextConfig, Variant};
-pub use model::Qwen35Model;
+pub use model::Qwen35Layers;
 
 fn config(ckpt: &Checkpoint) -> Result<(Variant, TextConfig)> {
     let variant = Variant::of(&ckpt.model_type()?)?;
@@ -84,9 +84,14 @@ impl Family for Qwen35Family {
         Ok(layout_of(variant, &cfg))
     }
 
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+    fn layers(
+        &self,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        vb: candle_nn::VarBuilder<'static>,
+    ) -> Result<Box<dyn super::layered::Layers>> {
         let (variant, cfg) = config(ckpt)?;
-        Ok(Box::new(Qwen35Model::load(ckpt, variant, &cfg, opts)?))
+        Ok(Box::new(Qwen35Layers::new(ckpt, variant, &cfg, opts, vb)?))
     }
 
     fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {

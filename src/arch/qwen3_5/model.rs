@@ -5,14 +5,15 @@ use super::attention::Attention;
 use super::config::{tied, TextConfig, Variant};
 use super::gdn::GatedDeltaNet;
 use super::moe::SparseMoe;
-use crate::arch::{CausalLm, DecodeCache, LoadOptions, Observer};
+use crate::arch::layered::{self, Head, Layers};
+use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::profile::mark;
-use anyhow::{Context, Result};
-use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{Embedding, Linear};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{Embedding, Linear, VarBuilder};
 
 enum Mixer {
     Linear(GatedDeltaNet),
@@ -31,105 +32,110 @@ struct Layer {
     mlp: Mlp,
 }
 
-/// A Qwen3.5 (text or multimodal checkpoint) or Qwen3-Next causal LM.
-pub struct Qwen35Model {
-    embed: Embedding,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    vars: Vec<(String, Var)>,
+impl layered::Block for Layer {
+    fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        let dev = h.device();
+        let x = self.input_norm.forward(h)?;
+        mark("norm", dev);
+        let y = match &self.mixer {
+            Mixer::Linear(m) => m.forward(&x, obs, cache)?,
+            Mixer::Full(a) => a.forward(&x, cache)?,
+        };
+        let h = (h + y)?;
+        mark("mixer output", dev);
+        let x = self.post_norm.forward(&h)?;
+        mark("norm", dev);
+        let y = match &self.mlp {
+            Mlp::Dense(m) => m.forward(&x)?,
+            Mlp::Moe(m) => m.forward(&x)?,
+        };
+        let h = (&h + y)?;
+        mark("mlp", dev);
+        Ok(h)
+    }
+}
+
+/// The stages of a Qwen3.5 (text or multimodal checkpoint) or Qwen3-Next causal LM.
+pub struct Qwen35Layers {
+    vb: VarBuilder<'static>,
+    variant: Variant,
+    c: TextConfig,
+    /// The embedding's stored dtype (attention computes in it).
+    stored: DType,
+    tied: bool,
+    grad: bool,
     device: Device,
 }
 
-impl Qwen35Model {
-    pub fn load(ckpt: &Checkpoint, variant: Variant, c: &TextConfig, opts: &LoadOptions) -> Result<Self> {
-        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
-        let m = vb.pp(variant.prefix());
-        let (hid, eps) = (c.hidden_size, c.rms_norm_eps);
-        let embed_w = m.pp("embed_tokens").get((c.vocab_size, hid), "weight")?;
+impl Qwen35Layers {
+    pub fn new(
+        ckpt: &Checkpoint,
+        variant: Variant,
+        c: &TextConfig,
+        opts: &LoadOptions,
+        vb: VarBuilder<'static>,
+    ) -> Result<Self> {
         let stored = match ckpt.info(&format!("{}.embed_tokens.weight", variant.prefix()))?.dtype {
             safetensors::Dtype::BF16 => DType::BF16,
             safetensors::Dtype::F16 => DType::F16,
             _ => DType::F32,
         };
-        let mut vars = Vec::new();
-        let mut layers = Vec::new();
-        for i in 0..c.num_hidden_layers {
-            let l = m.pp(format!("layers.{i}"));
-            let mixer = if c.is_linear(i) {
-                let gdn = GatedDeltaNet::load(l.pp("linear_attn"), c, variant.fused(), i, opts.grad, &mut vars);
-                Mixer::Linear(gdn.with_context(|| format!("loading layer {i}"))?)
-            } else {
-                Mixer::Full(
-                    Attention::load(l.pp("self_attn"), c, variant.inv_freq_dtype(stored))
-                        .with_context(|| format!("loading layer {i}"))?,
-                )
-            };
-            let mlp = match c.moe(variant, i) {
-                Some(moe) => Mlp::Moe(SparseMoe::load(l.pp("mlp"), hid, moe)?),
-                None => Mlp::Dense(SwiGlu::load(l.pp("mlp"), hid, c.intermediate_size)?),
-            };
-            layers.push(Layer {
-                input_norm: RmsNorm::load(l.pp("input_layernorm"), hid, eps, NormWeight::OnePlus)?,
-                mixer,
-                post_norm: RmsNorm::load(l.pp("post_attention_layernorm"), hid, eps, NormWeight::OnePlus)?,
-                mlp,
-            });
-        }
-        let lm_head = if tied(variant, &ckpt.config, c) || !ckpt.tensors.contains_key("lm_head.weight") {
-            Linear::new(embed_w.clone(), None)
-        } else {
-            Linear::new(vb.get((c.vocab_size, hid), "lm_head.weight")?, None)
-        };
-        Ok(Self {
-            embed: Embedding::new(embed_w, hid),
-            layers,
-            norm: RmsNorm::load(m.pp("norm"), hid, eps, NormWeight::OnePlus)?,
-            lm_head,
-            vars,
-            device: opts.device.clone(),
-        })
+        let tied = tied(variant, &ckpt.config, c) || !ckpt.tensors.contains_key("lm_head.weight");
+        Ok(Self { vb, variant, c: c.clone(), stored, tied, grad: opts.grad, device: opts.device.clone() })
     }
 }
 
-impl CausalLm for Qwen35Model {
-    fn run(&self, ids: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut DecodeCache>) -> Result<Tensor> {
-        let mut h = self.embed.forward(ids)?;
-        obs.hidden(0, &h)?;
-        let n = self.layers.len();
-        if let Some(c) = cache.as_deref_mut() {
-            c.begin(n, ids.dim(1)?);
-        }
-        let dev = &self.device;
-        mark("outside forward", dev);
-        for (i, l) in self.layers.iter().enumerate() {
-            let x = l.input_norm.forward(&h)?;
-            mark("norm", dev);
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            let y = match &l.mixer {
-                Mixer::Linear(m) => m.forward(&x, obs, lc)?,
-                Mixer::Full(a) => a.forward(&x, lc)?,
-            };
-            h = (&h + y)?;
-            mark("mixer output", dev);
-            let x = l.post_norm.forward(&h)?;
-            mark("norm", dev);
-            let y = match &l.mlp {
-                Mlp::Dense(m) => m.forward(&x)?,
-                Mlp::Moe(m) => m.forward(&x)?,
-            };
-            h = (&h + y)?;
-            mark("mlp", dev);
-            if i + 1 < n {
-                obs.hidden(i + 1, &h)?;
-                mark("observer", dev);
-            }
-        }
-        crate::arch::head(&h, &self.norm, &self.lm_head, obs, n)
+impl Layers for Qwen35Layers {
+    fn num_blocks(&self) -> usize {
+        self.c.num_hidden_layers
     }
 
-    fn grad_vars(&self) -> &[(String, Var)] {
-        &self.vars
+    fn embed(&self) -> Result<Embedding> {
+        let m = self.vb.pp(self.variant.prefix());
+        Ok(Embedding::new(
+            m.pp("embed_tokens").get((self.c.vocab_size, self.c.hidden_size), "weight")?,
+            self.c.hidden_size,
+        ))
+    }
+
+    fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn layered::Block>> {
+        let (c, variant) = (&self.c, self.variant);
+        let (hid, eps) = (c.hidden_size, c.rms_norm_eps);
+        let l = self.vb.pp(self.variant.prefix()).pp(format!("layers.{i}"));
+        let mixer = if c.is_linear(i) {
+            Mixer::Linear(GatedDeltaNet::load(l.pp("linear_attn"), c, variant.fused(), i, self.grad, vars)?)
+        } else {
+            Mixer::Full(Attention::load(l.pp("self_attn"), c, self.variant.inv_freq_dtype(self.stored))?)
+        };
+        let mlp = match c.moe(variant, i) {
+            Some(moe) => Mlp::Moe(SparseMoe::load(l.pp("mlp"), hid, moe)?),
+            None => Mlp::Dense(SwiGlu::load(l.pp("mlp"), hid, c.intermediate_size)?),
+        };
+        Ok(Box::new(Layer {
+            input_norm: RmsNorm::load(l.pp("input_layernorm"), hid, eps, NormWeight::OnePlus)?,
+            mixer,
+            post_norm: RmsNorm::load(l.pp("post_attention_layernorm"), hid, eps, NormWeight::OnePlus)?,
+            mlp,
+        }))
+    }
+
+    fn head(&self, embed: Option<&Embedding>) -> Result<Head> {
+        let (c, m) = (&self.c, self.vb.pp(self.variant.prefix()));
+        let lm_head = match embed {
+            _ if !self.tied => self.vb.get((c.vocab_size, c.hidden_size), "lm_head.weight")?,
+            Some(e) => e.embeddings().clone(),
+            None => self.embed()?.embeddings().clone(),
+        };
+        let norm = RmsNorm::load(m.pp("norm"), c.hidden_size, c.rms_norm_eps, NormWeight::OnePlus)?;
+        Ok(Head { norm, lm_head: Linear::new(lm_head, None) })
+    }
+
+    fn block_prefix(&self, i: usize) -> String {
+        format!("{}.layers.{i}.", self.variant.prefix())
+    }
+
+    fn embed_name(&self) -> String {
+        format!("{}.embed_tokens.weight", self.variant.prefix())
     }
 
     fn device(&self) -> &Device {

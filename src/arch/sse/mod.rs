@@ -16,7 +16,7 @@ mod config;
 mod mixer;
 mod model;
 
-use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use super::{parse, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Result};
 use serde_json::Value;
@@ -74,8 +74,13 @@ impl Family for SseFamily {
         Ok(StateLayout { family: "SSE".into(), dk: d.dk, layers, num_layers: cfg.num_hidden_layers })
     }
 
-    fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
-        Ok(Box::new(SseModel::open(ckpt, opts, None)?))
+    fn layers(
+        &self,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        vb: candle_nn::VarBuilder<'static>,
+    ) -> Result<Box<dyn super::layered::Layers>> {
+        Ok(Box::new(SseModel::sse_layers(ckpt, opts, vb, None)?))
     }
 
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {

@@ -4,11 +4,12 @@
 use super::attention::Attention;
 use super::config::{Implementation, SseConfig};
 use super::mixer::Mixer;
-use crate::arch::fla::stack::{FlaStack, StackShape, TokenMixer};
+use crate::arch::fla::stack::{FlaLayers, FlaStack, StackShape, TokenMixer};
 use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
 use anyhow::Result;
 use candle_core::Tensor;
+use candle_nn::VarBuilder;
 
 /// A block's token mixer: an SSE layer, or softmax attention in hybrids.
 pub enum Layer {
@@ -29,8 +30,13 @@ impl TokenMixer for Layer {
 pub type SseModel = FlaStack<Layer>;
 
 impl FlaStack<Layer> {
-    /// Load a checkpoint; `implementation` overrides the config's `sse_implementation`.
-    pub fn open(ckpt: &Checkpoint, opts: &LoadOptions, implementation: Option<Implementation>) -> Result<Self> {
+    /// The stages over `vb`; `implementation` overrides the config's `sse_implementation`.
+    pub fn sse_layers(
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        vb: VarBuilder<'static>,
+        implementation: Option<Implementation>,
+    ) -> Result<FlaLayers<Layer>> {
         let cfg: SseConfig = crate::arch::parse(ckpt, &ckpt.config)?;
         let d = cfg.dims()?;
         let attn = cfg.attn_config()?;
@@ -43,11 +49,18 @@ impl FlaStack<Layer> {
             norm_eps: cfg.norm_eps,
             tie_word_embeddings: cfg.tie_word_embeddings,
         };
-        FlaStack::load(ckpt, &shape, opts, |vb, i, vars| {
+        let grad = opts.grad;
+        Ok(FlaStack::layers(vb, shape, opts, move |vb, i, vars| {
             Ok(match attn.as_ref().filter(|a| a.layers.contains(&i)) {
                 Some(a) => Layer::Attention(Attention::load(vb, a, d.hidden, cfg.norm_eps)?),
-                None => Layer::Sse(Box::new(Mixer::load(vb, &cfg, d, i, opts.grad, vars)?), imp),
+                None => Layer::Sse(Box::new(Mixer::load(vb, &cfg, d, i, grad, vars)?), imp),
             })
-        })
+        }))
+    }
+
+    /// Load a checkpoint; `implementation` overrides the config's `sse_implementation`.
+    pub fn open(ckpt: &Checkpoint, opts: &LoadOptions, implementation: Option<Implementation>) -> Result<Self> {
+        let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
+        Ok(Self::from_layers(Self::sse_layers(ckpt, opts, vb, implementation)?)?)
     }
 }
