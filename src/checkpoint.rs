@@ -38,6 +38,8 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, TensorInfo>,
     /// Whether the weights came with `model.safetensors.index.json`.
     pub sharded: bool,
+    /// Rows kept of sliced tensors when this is an in-memory pruned view (`Checkpoint::sliced`).
+    pub row_view: Option<std::sync::Arc<BTreeMap<String, Vec<usize>>>>,
 }
 
 /// Shard file names listed by a `model.safetensors.index.json`, deduplicated, in first-seen order.
@@ -147,16 +149,17 @@ impl Checkpoint {
                 }
             }
         }
-        Ok(Self { dir: dir.to_path_buf(), config, format, files, tensors, sharded })
+        Ok(Self { dir: dir.to_path_buf(), config, format, files, tensors, sharded, row_view: None })
     }
 
     /// A candle VarBuilder over the weights (memory-mapped safetensors, or the pickle).
     pub fn var_builder(&self, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
-        Ok(match self.format {
+        let vb = match self.format {
             // SAFETY: the files are memory-mapped read-only; statecut never writes to its inputs.
             WeightFormat::Safetensors => unsafe { VarBuilder::from_mmaped_safetensors(&self.files, dtype, device)? },
             WeightFormat::PytorchBin => VarBuilder::from_pth(&self.files[0], dtype, device)?,
-        })
+        };
+        Ok(self.slice_rows(vb))
     }
 
     /// The config.json value of `key` (top level, or under `text_config` for multimodal layouts).

@@ -29,6 +29,8 @@ pub enum Command {
     Prune(Box<PruneArgs>),
     /// Prefill and decode speed.
     Bench(BenchArgs),
+    /// Quality against state size: prune a grid of methods x ratios in memory and evaluate each.
+    Sweep(Box<SweepArgs>),
 }
 
 /// Which model to load and where.
@@ -94,6 +96,11 @@ pub struct EvalArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// What to measure: ppl (perplexity on --data), mqar or passkey (recall; see --pairs, --lengths).
+    #[arg(long, default_value = "ppl")]
+    pub task: String,
+    #[command(flatten)]
+    pub recall: RecallArgs,
 }
 
 #[derive(Debug, Args)]
@@ -282,6 +289,88 @@ pub struct BenchArgs {
     pub compare: Option<String>,
     #[arg(long)]
     pub json: bool,
+}
+
+/// Settings of the recall tasks (`eval --task`, `sweep --recall`).
+#[derive(Debug, Clone, PartialEq, Args, serde::Serialize, serde::Deserialize)]
+pub struct RecallArgs {
+    /// mqar: key-value pairs per sequence.
+    #[arg(long, default_value_t = 16)]
+    pub pairs: usize,
+    /// mqar: random tokens between the key-value pairs and the first query.
+    #[arg(long, default_value_t = 0)]
+    pub gap: usize,
+    /// mqar: tokens per sequence (pairs, gap and the query section).
+    #[arg(long, default_value_t = 256)]
+    pub context_len: usize,
+    /// mqar: keys and values are drawn from token ids below this [default: the model's vocabulary].
+    #[arg(long)]
+    pub mqar_vocab: Option<usize>,
+    /// passkey: comma-separated context lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192")]
+    pub lengths: Vec<usize>,
+    /// passkey: comma-separated depths of the passkey in the filler, fractions in [0, 1].
+    #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,1")]
+    pub depths: Vec<f64>,
+    /// passkey: filler text (.jsonl/.txt/.parquet) [default: built-in text].
+    #[arg(long)]
+    pub filler: Option<String>,
+    /// Sequences per task (mqar) or per length and depth (passkey).
+    #[arg(long, default_value_t = 32)]
+    pub samples: usize,
+    /// Seed of the generated recall sequences.
+    #[arg(long, default_value_t = 0)]
+    pub task_seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct SweepArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Comma-separated channel selectors (l1, swanda, grad, rand, drrqr).
+    #[arg(long, value_delimiter = ',', default_value = "drrqr,grad,l1")]
+    pub methods: Vec<String>,
+    /// Comma-separated fractions of key/query channels to remove, each in (0, 1).
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.625,0.75")]
+    pub ratios: Vec<f64>,
+    /// Round the kept width down to a multiple of this.
+    #[arg(long)]
+    pub round_to: Option<usize>,
+    /// DRRQR tolerance f > 1.
+    #[arg(long)]
+    pub rrqr_f: Option<f64>,
+    /// Which activations DRRQR scores: qk, k or q.
+    #[arg(long)]
+    pub score_on: Option<String>,
+    #[command(flatten)]
+    pub calib: CalibArgs,
+    /// Comma-separated evaluation texts (.jsonl/.txt/.parquet or hub dataset ids).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub eval: Vec<String>,
+    /// Windows per evaluation text.
+    #[arg(long, default_value_t = 64)]
+    pub eval_windows: usize,
+    /// Tokens per evaluation window.
+    #[arg(long, default_value_t = 512)]
+    pub eval_seqlen: usize,
+    /// Comma-separated recall tasks to run on every cell: mqar, passkey.
+    #[arg(long, value_delimiter = ',')]
+    pub recall: Vec<String>,
+    #[command(flatten)]
+    pub recall_opts: RecallArgs,
+    /// Largest acceptable relative loss for the recommendation: perplexity increase and recall
+    /// drop, as a percentage ("5%") or a fraction (0.05).
+    #[arg(long, default_value = "5%")]
+    pub budget: String,
+    /// Output directory for sweep.json, sweep.md, the curves and the finished cells.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Also write every cell's pruned checkpoint under the output directory.
+    #[arg(long)]
+    pub write: bool,
+    /// Discard the results of an earlier sweep in the output directory instead of reusing them.
+    #[arg(long)]
+    pub fresh: bool,
 }
 
 impl PruneArgs {

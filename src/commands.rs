@@ -93,6 +93,9 @@ pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize,
 
 pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
+    if args.task != "ppl" {
+        return recall(args, quiet);
+    }
     let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
     let m = load_with(&args.model, &args.memory, false, quiet)?;
     let tokens = m.tokenizer.stream(src.documents()?, args.windows * args.seqlen + 1)?;
@@ -105,6 +108,26 @@ pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
             "ppl {:.4} over {} windows x {} tokens ({} tokens, {:.1} tokens/s)",
             r.ppl, r.windows, r.seqlen, r.tokens, r.tokens_per_second
         );
+    }
+    Ok(())
+}
+
+/// `eval --task mqar|passkey`.
+fn recall(args: &EvalArgs, quiet: bool) -> Result<()> {
+    let task: crate::recall::Task = args.task.parse().map_err(|e| anyhow::anyhow!("--task: {e:#} (or ppl)"))?;
+    let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
+    let config = Checkpoint::open(&dir)?.config;
+    let vocab = crate::recall::vocab_size(&config).context("config.json has no vocab_size")?;
+    crate::recall::check(&[task], &args.recall, &config, vocab)?;
+    let m = load(&args.model, false, quiet)?;
+    let r = crate::recall::run(task, &args.recall, m.model.as_ref(), &m.tokenizer, vocab, quiet)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!("{} accuracy {:.4} ({} / {}, {:.1} s)", task.name(), r.accuracy, r.correct, r.total, r.seconds);
+    for b in &r.buckets {
+        println!("  {:<24} {:.4} ({} / {})", b.name, b.accuracy, b.correct, b.total);
     }
     Ok(())
 }

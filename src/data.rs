@@ -193,6 +193,11 @@ impl TextTokenizer {
         Ok(self.tok.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
     }
 
+    /// The text of token ids (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tok.decode(ids, true).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))
+    }
+
     /// Documents joined into one stream, each followed by the end-of-text token, stopping once
     /// `limit` tokens are collected.
     pub fn stream(&self, docs: impl Iterator<Item = Result<String>>, limit: usize) -> Result<Vec<u32>> {

@@ -10,6 +10,7 @@ fn main() {
         Command::Calibrate(a) => statecut::commands::calibrate(a, q),
         Command::Prune(a) => statecut::prune::run(a, q),
         Command::Bench(a) => statecut::bench::run(a, q),
+        Command::Sweep(a) => statecut::sweep::run(a, q),
     };
     if let Some(table) = statecut::profile::report() {
         eprintln!("{table}");

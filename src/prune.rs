@@ -47,7 +47,7 @@ fn head_blocks(
 }
 
 /// Select the kept channels of every head of every prunable layer.
-fn select_all(
+pub(crate) fn select_all(
     ckpt: &Checkpoint,
     layout: &StateLayout,
     plan: &Plan,
@@ -142,12 +142,6 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
     let staged = Staged::new(&args.output, args.overwrite, &dir)?;
     let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
-    let hidden = ckpt
-        .config
-        .get("hidden_size")
-        .or_else(|| ckpt.config.pointer("/text_config/hidden_size"))
-        .and_then(|v| v.as_u64())
-        .unwrap_or(0) as usize;
     let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
         Some(p) => {
             let (cal, complete) = Calibration::load(&p, &layout)?;
@@ -205,20 +199,7 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     let calibration = match (saved, &loaded) {
         (Some(c), _) => Some(c),
         (None, Some(m)) if calibrate_now => {
-            let seqs =
-                crate::commands::sequences(&m.tokenizer, &calib_src, plan.calib.nsamples, plan.calib.seqlen, quiet)?;
-            let settings = CalibSettings {
-                nsamples: plan.calib.nsamples,
-                seqlen: plan.calib.seqlen,
-                seed: plan.calib.seed,
-                rows: plan.calib.rows,
-                grad: plan.method == Method::Grad,
-                source: plan.calib.source.clone().unwrap_or_else(|| "builtin".into()),
-            };
-            let mut cal = Calibration::new(settings, &layout, hidden);
-            cal.text_column = plan.calib.text_column.clone();
-            cal.run(m.model.as_ref(), &seqs, args.calib.batch(), None, quiet)?;
-            Some(cal)
+            Some(calibrate(m, &plan.calib, plan.method == Method::Grad, &calib_src, args.calib.batch(), quiet)?)
         }
         _ => None,
     };
@@ -330,6 +311,37 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     Ok(())
 }
 
+/// One calibration pass of the loaded model `m` over `src` with settings `c`.
+pub(crate) fn calibrate(
+    m: &crate::commands::Loaded,
+    c: &crate::recipe::Calib,
+    grad: bool,
+    src: &TextSource,
+    batch: Option<usize>,
+    quiet: bool,
+) -> Result<Calibration> {
+    let seqs = crate::commands::sequences(&m.tokenizer, src, c.nsamples, c.seqlen, quiet)?;
+    let settings = CalibSettings {
+        nsamples: c.nsamples,
+        seqlen: c.seqlen,
+        seed: c.seed,
+        rows: c.rows,
+        grad,
+        source: c.source.clone().unwrap_or_else(|| "builtin".into()),
+    };
+    let hidden = m
+        .ckpt
+        .config
+        .get("hidden_size")
+        .or_else(|| m.ckpt.config.pointer("/text_config/hidden_size"))
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize;
+    let mut cal = Calibration::new(settings, &m.layout, hidden);
+    cal.text_column = c.text_column.clone();
+    cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
+    Ok(cal)
+}
+
 /// Tokens routed to each partition, per layer.
 struct RoutingCounts(BTreeMap<usize, Vec<f64>>);
 
@@ -374,7 +386,7 @@ fn most_used_partitions(
 }
 
 /// The recipe that reproduces a plan.
-fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
+pub(crate) fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
     crate::recipe::Recipe {
         method: Some(p.method.name().into()),
         ratio: Some(p.ratio),
