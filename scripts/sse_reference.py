@@ -91,7 +91,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def shared_dir():
-    """The reference data: $STATECUT_SHARED, else shared/ beside or inside the checkout."""
+    """The reference data: $STATECUT_SHARED, else shared/ beside or inside the checkout. Only the
+    trained fixture and its text goldens need it; `init` and the random fixtures' goldens do not."""
     if os.environ.get("STATECUT_SHARED"):
         return os.environ["STATECUT_SHARED"]
     for d in (os.path.join(HERE, "..", "..", "shared"), os.path.join(HERE, "..", "shared"), "/work/shared"):
@@ -100,7 +101,6 @@ def shared_dir():
     raise SystemExit("reference data not found: set STATECUT_SHARED to the shared/ folder")
 
 
-SHARED = shared_dir()
 GATE_LOGIT_NORMALIZER = 16
 GATE_LOW_RANK_DIM = 16
 
@@ -564,7 +564,8 @@ def eval_ppl(model, ids, seqlen, windows, device):
 def cmd_eval(args):
     model, cfg = load_checkpoint(args.eval, args.device)
     tok = tokenizer(os.path.join(args.eval, "tokenizer.json"))
-    ids = stream(tok, cfg["eos_token_id"], [args.eval_file], args.eval_windows * args.eval_seqlen + 1)
+    eval_file = args.eval_file or os.path.join(shared_dir(), "data/eval/wiki.jsonl")
+    ids = stream(tok, cfg["eos_token_id"], [eval_file], args.eval_windows * args.eval_seqlen + 1)
     ppl, n = eval_ppl(model, ids, args.eval_seqlen, args.eval_windows, args.device)
     hd = cfg["head_dim"]
     print(f"{args.eval}: head_dim {hd}, {n} windows x {args.eval_seqlen} tokens, perplexity {ppl:.4f}")
@@ -593,7 +594,7 @@ def cmd_train(args):
     random.seed(args.seed)
     dev = args.device
     cfg = dict(CONFIG)
-    tok_path = os.path.join(SHARED, "models/delta_net/tokenizer.json")
+    tok_path = os.path.join(shared_dir(), "models/delta_net/tokenizer.json")
     tok = tokenizer(tok_path)
     cfg["vocab_size"] = tok.get_vocab_size()
     eos = tok.token_to_id("</s>")
@@ -601,7 +602,7 @@ def cmd_train(args):
     cfg["use_short_conv"] = args.short_conv
     cfg["linear_attn_type"] = args.linear_attn_type
     cfg["aux_loss_coef"] = args.aux_coef
-    calib = sorted(glob.glob(os.path.join(SHARED, "data/calib/*.jsonl")))
+    calib = sorted(glob.glob(os.path.join(shared_dir(), "data/calib/*.jsonl")))
     ids = stream(tok, eos, calib, 10**9)
     print(f"training tokens: {len(ids)} on {dev}")
     data = torch.tensor(ids)
@@ -682,7 +683,7 @@ def cmd_init(args):
 def text_ids(out):
     """The first 128 tokens of data/eval/wiki.jsonl (the reference models' golden input)."""
     tok = tokenizer(os.path.join(out, "tokenizer.json"))
-    ids = stream(tok, tok.token_to_id("</s>"), [os.path.join(SHARED, "data/eval/wiki.jsonl")], 128)[:128]
+    ids = stream(tok, tok.token_to_id("</s>"), [os.path.join(shared_dir(), "data/eval/wiki.jsonl")], 128)[:128]
     return torch.tensor(ids)[None]
 
 
@@ -738,7 +739,7 @@ def write_reference(out, facts=None):
     model, cfg = load_checkpoint(out)
     tok = tokenizer(os.path.join(out, "tokenizer.json"))
     want = REFERENCE_WINDOWS * REFERENCE_SEQLEN + 1
-    ids = stream(tok, cfg["eos_token_id"], [os.path.join(SHARED, "data/eval/wiki.jsonl")], want)
+    ids = stream(tok, cfg["eos_token_id"], [os.path.join(shared_dir(), "data/eval/wiki.jsonl")], want)
     ppl, n = eval_ppl(model, ids, REFERENCE_SEQLEN, REFERENCE_WINDOWS, "cpu")
     assert n == REFERENCE_WINDOWS
     ref[REFERENCE_KEY] = ppl
@@ -770,7 +771,7 @@ def main():
     ap.add_argument("--aux-coef", type=float, default=0.1, help="load-balance loss weight (config aux_loss_coef)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval", metavar="DIR", help="load a checkpoint and print perplexity")
-    ap.add_argument("--eval-file", default=os.path.join(SHARED, "data/eval/wiki.jsonl"))
+    ap.add_argument("--eval-file", help="evaluation text (default: the reference data's data/eval/wiki.jsonl)")
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--eval-seqlen", type=int, default=512)
     args = ap.parse_args()

@@ -67,7 +67,7 @@ fn rows(t: &Tensor, off: usize, len: usize) -> Tensor {
 fn source(name: &str) -> Option<PathBuf> {
     let dir = common::model_dir(name)?;
     if !dir.join("model.safetensors").exists() {
-        eprintln!("SKIPPED: {} not found", dir.display());
+        common::missing_data(&dir.join("model.safetensors"));
         return None;
     }
     Some(dir)

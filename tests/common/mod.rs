@@ -1,11 +1,14 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod pruned;
+
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// The reference data directory: `$STATECUT_TEST_DATA`, default `../shared` beside the checkout.
-/// Returns None (and says so) when it is missing, so tests that need it are skipped loudly.
+/// Returns None when it is missing, after saying which test is skipped (see [`missing_data`]).
 pub fn shared() -> Option<PathBuf> {
     let p = std::env::var("STATECUT_TEST_DATA")
         .map(PathBuf::from)
@@ -13,12 +16,38 @@ pub fn shared() -> Option<PathBuf> {
     if p.join("models").is_dir() {
         Some(p)
     } else {
-        eprintln!(
-            "SKIPPED: reference data not found at {} (set STATECUT_TEST_DATA to the shared/ folder)",
-            p.display()
-        );
+        missing_data(&p);
         None
     }
+}
+
+/// A test cannot run because `path` (reference data) is missing. Under CI
+/// (`STATECUT_REQUIRE_DATA=1`, set by `.ci/run`) that is a failure; elsewhere the test is skipped
+/// and says so by name, on the real stderr so that the line shows even for a passing test.
+pub fn missing_data(path: &Path) {
+    let test = format!("{}::{}", env!("CARGO_CRATE_NAME"), std::thread::current().name().unwrap_or("<unnamed>"));
+    if std::env::var("STATECUT_REQUIRE_DATA").is_ok_and(|v| v == "1") {
+        panic!(
+            "{test}: STATECUT_REQUIRE_DATA=1 and the reference data is missing at {} \
+             (set STATECUT_TEST_DATA to the shared/ folder)",
+            path.display()
+        );
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED {test}: reference data not found at {} (set STATECUT_TEST_DATA to the shared/ folder)",
+        path.display()
+    );
+}
+
+/// The small trained model that ships in the repository (`scripts/train_embedded_model.py`).
+pub fn embedded_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/models/gdn-moby")
+}
+
+/// A file of the repository, by its path from the root.
+pub fn repo_file(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(path)
 }
 
 pub fn model_dir(name: &str) -> Option<PathBuf> {
