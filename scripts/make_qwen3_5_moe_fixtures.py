@@ -12,8 +12,8 @@ heads, attention head_dim 256 with attn_output_gate and GQA, mrope rope_paramete
 partial_rotary_factor 0.25, 8 experts top-2 with a shared expert, bf16 weights, untied head.
 save_pretrained writes the experts one tensor per expert; the script fuses the decoder layers'
 experts into the 3-D tensors the bf16 releases store (checking that transformers computes the same
-logits from both), and leaves the MTP experts per expert. The weights are seeded random, scaled by 1/sqrt(fan_in) so that activations, routing and logits
-are far from trivial.
+logits from both), and leaves the MTP experts per expert. The weights are seeded random, scaled
+by 1/sqrt(fan_in) so that activations, routing and logits are far from trivial.
 
 golden.safetensors holds transformers' float32 forward of the stored bf16 weights on the first
 128 tokens of eval/wiki.jsonl: `input_ids` [1, 128], `hidden_states` [L + 1, 1, 128, H] (as

@@ -63,7 +63,7 @@ impl SparseMoe {
     pub fn load(vb: VarBuilder, hidden: usize, cfg: Moe) -> Result<Self> {
         let experts = ExpertStorage::detect(&vb).load(&vb, hidden, cfg).with_context(|| {
             format!(
-                "{}: experts do not match num_experts {}, moe_intermediate_size {}, hidden_size {hidden} of config.json",
+                "{}: experts for num_experts {}, moe_intermediate_size {}, hidden_size {hidden} (config.json)",
                 vb.prefix(),
                 cfg.experts,
                 cfg.intermediate
