@@ -519,16 +519,8 @@ impl Calibration {
         }
         let first = self.sequences_done;
         let rest: Vec<&[u32]> = seqs[first..].iter().map(Vec::as_slice).collect();
-        crate::stream::run_layer_major(
-            layers,
-            &rest,
-            first,
-            batch,
-            &mut self.collector,
-            |_, _| Ok(()),
-            "calibrate",
-            quiet,
-        )?;
+        let pb = crate::stream::layer_bar(layers, "calibrate", quiet);
+        crate::stream::run_layer_major(layers, &rest, first, batch, &mut self.collector, |_, _| Ok(()), pb)?;
         self.sequences_done = seqs.len();
         self.tokens += rest.iter().map(|s| s.len()).sum::<usize>();
         self.collector.sync()?;

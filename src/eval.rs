@@ -47,7 +47,8 @@ fn streamed_nll(layers: &dyn Layers, windows: &[&[u32]], batch: usize, quiet: bo
         out.push(logits_nll(logits, &windows[first..first + logits.dim(0)?])?);
         Ok(())
     };
-    crate::stream::run_layer_major(layers, &inputs, 0, Some(batch), &mut NoObserver, on_logits, "eval", quiet)?;
+    let pb = crate::stream::layer_bar(layers, "eval", quiet);
+    crate::stream::run_layer_major(layers, &inputs, 0, Some(batch), &mut NoObserver, on_logits, pb)?;
     Ok(out)
 }
 

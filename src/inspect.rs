@@ -200,7 +200,8 @@ pub fn inspect(
     let mut obs = InspectObserver::new(layout, rows, seed);
     if let Some(layers) = model.layers() {
         let seqs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
-        crate::stream::run_layer_major(layers, &seqs, 0, None, &mut obs, |_, _| Ok(()), "inspect", quiet)?;
+        let pb = crate::stream::layer_bar(layers, "inspect", quiet);
+        crate::stream::run_layer_major(layers, &seqs, 0, None, &mut obs, |_, _| Ok(()), pb)?;
     } else {
         let pb = crate::progress::bar(sequences.len() as u64, "inspect", quiet);
         for (i, seq) in sequences.iter().enumerate() {

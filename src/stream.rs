@@ -186,6 +186,7 @@ fn passes(seqs: &[&[u32]], batch: usize) -> Vec<(usize, usize)> {
 /// dropped. `obs` sees each pass as a resident forward would; `on_output(first, out)` gets the
 /// head's output (logits, or the normed hidden state when the observer needs no logits) of
 /// sequences `first..first + n`. Sequence `i` is announced to the observer as `offset + i`.
+/// `pb` ([`layer_bar`]) counts the layers.
 pub fn run_layer_major(
     layers: &dyn Layers,
     seqs: &[&[u32]],
@@ -193,12 +194,10 @@ pub fn run_layer_major(
     batch: Option<usize>,
     obs: &mut dyn Observer,
     mut on_output: impl FnMut(usize, &Tensor) -> Result<()>,
-    what: &str,
-    quiet: bool,
+    pb: indicatif::ProgressBar,
 ) -> Result<()> {
     let dev = layers.device().clone();
     let n_blocks = layers.num_blocks();
-    let pb = crate::progress::bar(n_blocks as u64, &format!("{what} (layers)"), quiet);
     // Hidden states per sequence [1, T, D]; on the host when the device could not hold them.
     let mut hidden: Vec<Tensor> = Vec::with_capacity(seqs.len());
     let embed = layers.embed()?;
@@ -245,6 +244,11 @@ pub fn run_layer_major(
     }
     pb.finish_and_clear();
     Ok(())
+}
+
+/// A progress bar over the layers of a layer-major run, with an ETA.
+pub fn layer_bar(layers: &dyn Layers, what: &str, quiet: bool) -> indicatif::ProgressBar {
+    crate::progress::bar(layers.num_blocks() as u64, &format!("{what} (layers)"), quiet)
 }
 
 /// The sequences of a [B, T, D] pass, each [1, T, D], on `park`.

@@ -61,6 +61,6 @@ impl FlaStack<Layer> {
     /// Load a checkpoint; `implementation` overrides the config's `sse_implementation`.
     pub fn open(ckpt: &Checkpoint, opts: &LoadOptions, implementation: Option<Implementation>) -> Result<Self> {
         let vb = ckpt.var_builder(opts.dtype, &opts.device)?;
-        Ok(Self::from_layers(Self::sse_layers(ckpt, opts, vb, implementation)?)?)
+        Self::from_layers(Self::sse_layers(ckpt, opts, vb, implementation)?)
     }
 }
