@@ -24,8 +24,8 @@ pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
     let family = family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
     let tokenizer = TextTokenizer::load(&dir, args.tokenizer.as_deref(), &ckpt.config)?;
-    let device = crate::device::parse_device(&args.device)?;
-    let dtype = crate::device::parse_dtype(&args.dtype, &device)?;
+    let device = args.device.open()?;
+    let dtype = args.dtype.resolve(&device);
     let model = family
         .load(&ckpt, &LoadOptions { dtype, device, grad })
         .with_context(|| format!("loading {} from {}", ckpt.model_type().unwrap_or_default(), dir.display()))?;
@@ -38,6 +38,9 @@ pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
 /// Tokenized calibration sequences: documents joined with the end-of-text token and cut into
 /// `n` sequences of `seqlen` tokens, warning when the text falls short.
 pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize, quiet: bool) -> Result<Vec<Vec<u32>>> {
+    if n == 0 || seqlen == 0 {
+        anyhow::bail!("the number of sequences and their length must be positive (--nsamples, --seqlen)");
+    }
     let want = n * seqlen;
     let mut docs = 0usize;
     let counted = src.documents()?.inspect(|_| docs += 1);

@@ -98,6 +98,9 @@ impl FlaConfig {
             bail!("qk_activation \"{}\" is not supported (only \"silu\")", self.qk_activation);
         }
         let h = self.num_heads;
+        if h == 0 {
+            bail!("num_heads must be at least 1");
+        }
         let (dk, dv, v_heads, use_gate) = match kind {
             Kind::DeltaNet => {
                 // fla: key_dim = int(hidden_size * expand_k), head_k_dim = key_dim // num_heads
@@ -176,7 +179,7 @@ impl Family for DeltaNetFamily {
     fn model_types(&self) -> &'static [&'static str] {
         &["delta_net"]
     }
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::DeltaNet)
     }
     fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
@@ -195,7 +198,7 @@ impl Family for GatedDeltaNetFamily {
     fn model_types(&self) -> &'static [&'static str] {
         &["gated_deltanet"]
     }
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::GatedDeltaNet)
     }
     fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
