@@ -83,15 +83,17 @@ impl StateLayout {
     /// blocks of a layer agree on their input width.
     pub fn check(&self, ckpt: &Checkpoint) -> Result<()> {
         let cfg = || format!("{}/config.json", ckpt.dir.display());
-        if self.dk == 0 {
-            bail!("{} describes a key width of 0", cfg());
+        if self.dk == 0 || self.dk > i32::MAX as usize {
+            bail!("{} describes a key width of {}", cfg(), self.dk);
         }
         if self.layers.is_empty() {
             bail!("{} describes no layer with a recurrent state", cfg());
         }
         for l in &self.layers {
             let at = || format!("{} layer {}", cfg(), l.layer);
-            if l.key_heads == 0 || l.dv == 0 || l.value_heads == 0 || !l.value_heads.is_multiple_of(l.key_heads) {
+            // Sizes derived from float config values (expand_v, ...) saturate instead of failing.
+            let sane = |n: usize| (1..=i32::MAX as usize).contains(&n);
+            if !sane(l.key_heads) || !sane(l.dv) || !sane(l.value_heads) || !l.value_heads.is_multiple_of(l.key_heads) {
                 bail!(
                     "{}: {} key heads, {} value heads of width {}: expected at least one of each, value heads a multiple of key heads",
                     at(),

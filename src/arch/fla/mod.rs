@@ -7,7 +7,7 @@ pub mod stack;
 
 use super::{parse, CausalLm, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -127,7 +127,7 @@ impl FlaConfig {
             None => {
                 // fla GatedMLP: int(D * hidden_ratio * 2 / 3) rounded up to a multiple of 256
                 let i = (self.hidden_size as f64 * self.hidden_ratio * 2.0 / 3.0) as usize;
-                256 * i.div_ceil(256)
+                i.div_ceil(256).checked_mul(256).context("hidden_ratio gives an MLP width out of range")?
             }
         };
         Ok(Dims { kind, hidden: self.hidden_size, heads: h, v_heads, dk, dv, use_gate, intermediate })
