@@ -139,14 +139,7 @@ fn vocab_of(cfg: &serde_json::Value) -> Result<usize> {
 
 pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
-    let batches: Vec<usize> = args
-        .batch_sizes
-        .split(',')
-        .map(|s| s.trim().parse::<usize>().with_context(|| format!("--batch-sizes: {s:?} is not a number")))
-        .collect::<Result<_>>()?;
-    if args.iterations == 0 || args.decode_steps == 0 || args.prompt_len == 0 || batches.contains(&0) {
-        anyhow::bail!("--iterations, --decode-steps, --prompt-len and batch sizes must be positive");
-    }
+    let batches = &args.batch_sizes;
     let mut reports = Vec::new();
     let mut models = vec![args.model.clone()];
     if let Some(c) = &args.compare {
@@ -158,12 +151,12 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
         .iter()
         .map(|l| Ok(Subject { model: l.model.as_ref(), vocab: vocab_of(&l.ckpt.config)? }))
         .collect::<Result<Vec<_>>>()?;
-    let rows = bench_models(&subjects, args, &batches, quiet)?;
+    let rows = bench_models(&subjects, args, batches, quiet)?;
     for (m, rows) in models.iter().zip(rows) {
         reports.push(BenchReport {
             model: m.model.clone(),
-            device: m.device.clone(),
-            dtype: m.dtype.clone(),
+            device: m.device.to_string(),
+            dtype: m.dtype.to_string(),
             prompt_len: args.prompt_len,
             decode_steps: args.decode_steps,
             iterations: args.iterations,

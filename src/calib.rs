@@ -612,9 +612,37 @@ impl Calibration {
                     .get(&format!("layers.{layer}.{k}"))
                     .with_context(|| format!("{}: missing layers.{layer}.{k}", path.display()))
             };
-            l.keys.rows = t("keys")?.flatten_all()?.to_vec1::<f32>()?;
-            l.queries.rows = t("queries")?.flatten_all()?.to_vec1::<f32>()?;
-            l.input_sq = t("input_sq")?.to_vec1::<f64>()?;
+            // A file edited or written by something else must not pass for this layout's rows.
+            let sample = |k: &str, r: &Reservoir| -> Result<Vec<f32>> {
+                let x = t(k)?;
+                match x.dims() {
+                    [n, w] if *n <= r.cap && *w == r.width && x.dtype() == DType::F32 => {}
+                    d => anyhow::bail!(
+                        "{}: layers.{layer}.{k} is {:?} {d:?}, expected F32 [at most {}, {}]; re-run `statecut calibrate`",
+                        path.display(),
+                        x.dtype(),
+                        r.cap,
+                        r.width
+                    ),
+                }
+                Ok(x.flatten_all()?.to_vec1::<f32>()?)
+            };
+            l.keys.rows = sample("keys", &l.keys)?;
+            l.queries.rows = sample("queries", &l.queries)?;
+            let sq = t("input_sq")?;
+            if sq.rank() != 1
+                || sq.dtype() != DType::F64
+                || (fingerprint.hidden > 0 && sq.dim(0)? != fingerprint.hidden)
+            {
+                anyhow::bail!(
+                    "{}: layers.{layer}.input_sq is {:?} {:?}, expected F64 [{}]; re-run `statecut calibrate`",
+                    path.display(),
+                    sq.dtype(),
+                    sq.dims(),
+                    fingerprint.hidden
+                );
+            }
+            l.input_sq = sq.to_vec1::<f64>()?;
             let (ks, qs, ic) = seen.get(layer).copied().unwrap_or_default();
             (l.keys.seen, l.queries.seen, l.input_count) = (ks, qs, ic);
         }

@@ -53,6 +53,10 @@ pub fn index_shards(index: &Path) -> Result<Vec<String>> {
     let mut out: Vec<String> = Vec::new();
     for f in map.values() {
         let f = f.as_str().context("weight_map values must be file names")?;
+        // Shards live beside the index: a path would read files outside the model directory.
+        if f.is_empty() || f.contains(['/', '\\']) || f == ".." {
+            bail!("{} lists shard \"{f}\", which is not a file name in the model directory", index.display());
+        }
         if !out.iter().any(|x| x == f) {
             out.push(f.to_string());
         }
@@ -149,6 +153,7 @@ impl Checkpoint {
                 }
             }
         }
+        check_config_numbers(&config, tensors.len()).with_context(|| format!("{}", cfg_path.display()))?;
         Ok(Self { dir: dir.to_path_buf(), config, format, files, tensors, sharded, row_view: None })
     }
 
@@ -243,6 +248,37 @@ impl candle_nn::var_builder::SimpleBackend for PositionedReads {
     fn contains_tensor(&self, name: &str) -> bool {
         self.0.contains_key(name)
     }
+}
+
+/// The largest whole number a config may hold: model sizes are far below it, and products of
+/// two or three such sizes cannot overflow.
+const MAX_CONFIG_INT: u64 = i32::MAX as u64;
+
+/// Reject config numbers that no model has before any family derives sizes from them: integers
+/// beyond [`MAX_CONFIG_INT`] anywhere, and layer counts beyond the stored tensors (each layer
+/// stores at least one), which would otherwise size loops and allocations.
+fn check_config_numbers(config: &Value, tensors: usize) -> Result<()> {
+    fn walk(v: &Value, path: &str) -> Result<()> {
+        match v {
+            Value::Number(n) if n.as_u64().is_some_and(|x| x > MAX_CONFIG_INT) => {
+                bail!("{path} = {n} is out of range (at most {MAX_CONFIG_INT})")
+            }
+            Value::Array(a) => a.iter().try_for_each(|x| walk(x, path)),
+            Value::Object(o) => o
+                .iter()
+                .try_for_each(|(k, x)| walk(x, &if path.is_empty() { k.clone() } else { format!("{path}.{k}") })),
+            _ => Ok(()),
+        }
+    }
+    walk(config, "")?;
+    for key in ["/num_hidden_layers", "/n_layer", "/text_config/num_hidden_layers"] {
+        if let Some(n) = config.pointer(key).and_then(Value::as_u64) {
+            if n as usize > tensors {
+                bail!("{} = {n}, but the weights hold only {tensors} tensors", &key[1..].replace('/', "."));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Parse config.json, accepting the bare `Infinity`/`-Infinity`/`NaN` literals Python's json

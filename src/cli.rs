@@ -1,5 +1,8 @@
 //! Command-line interface (clap derive): one struct of flags per subcommand, shared groups flattened.
 
+use crate::bounds::{self, BATCH, COUNT, PROMPT_TOKENS, ROWS, SEQ_TOKENS, WARMUP, WIDTH, WINDOW_TOKENS};
+use crate::device::{DeviceSpec, Dtype};
+use crate::select::{Method, ScoreOn};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -46,11 +49,11 @@ pub struct ModelArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Compute dtype: auto (f32 on CPU, bf16 on GPU), f32, bf16 or f16.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
     /// Device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceSpec,
 }
 
 /// Where the weights live while a model runs.
@@ -85,13 +88,13 @@ pub struct EvalArgs {
     #[arg(long, default_value = "text")]
     pub text_column: String,
     /// Tokens predicted per window.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
     pub seqlen: usize,
     /// Maximum number of windows.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
     pub windows: usize,
     /// Windows per forward pass.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = BATCH.parser())]
     pub batch_size: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -115,13 +118,13 @@ pub struct InspectArgs {
     #[arg(long, default_value = "text")]
     pub text_column: String,
     /// Number of sequences.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = COUNT.parser())]
     pub nsamples: usize,
     /// Tokens per sequence.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = SEQ_TOKENS.parser())]
     pub seqlen: usize,
     /// Key+query rows sampled per layer for the activation statistics.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, value_parser = ROWS.parser())]
     pub rows: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -144,16 +147,16 @@ pub struct CalibArgs {
     #[arg(long)]
     pub text_column: Option<String>,
     /// Number of calibration sequences [default: 128].
-    #[arg(long)]
+    #[arg(long, value_parser = COUNT.parser())]
     pub nsamples: Option<usize>,
     /// Tokens per calibration sequence [default: 2048].
-    #[arg(long)]
+    #[arg(long, value_parser = SEQ_TOKENS.parser())]
     pub seqlen: Option<usize>,
     /// Seed for row sampling and the rand selector [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
     /// Key+query rows kept per layer, half keys and half queries, uniform over tokens [default: 5000].
-    #[arg(long)]
+    #[arg(long, value_parser = ROWS.parser())]
     pub rows: Option<usize>,
     /// Also accumulate dL/dW for the key/query projections (needed by --method grad).
     #[arg(long)]
@@ -208,7 +211,7 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub resume: bool,
     /// Save partial results every N sequences.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = COUNT.parser())]
     pub save_every: usize,
 }
 
@@ -221,15 +224,15 @@ pub struct PruneArgs {
     /// Recipe file (TOML) with any of the flags below; flags given on the command line win.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Channel selector: l1, swanda, grad, rand or drrqr.
-    #[arg(long)]
-    pub method: Option<String>,
+    /// Channel selector.
+    #[arg(long, value_enum)]
+    pub method: Option<Method>,
     /// Fraction of key/query channels to remove per head, in (0, 1).
-    #[arg(long)]
+    #[arg(long, value_parser = bounds::parse_ratio)]
     pub ratio: Option<f64>,
     /// Round the kept width down to a multiple of this (kernel-friendly sizes). prune warns when
     /// the width hits a known serving-engine limit and names the --round-to that avoids it.
-    #[arg(long)]
+    #[arg(long, value_parser = WIDTH.parser())]
     pub round_to: Option<usize>,
     /// Output directory for the pruned checkpoint.
     #[arg(short, long)]
@@ -243,19 +246,19 @@ pub struct PruneArgs {
     #[arg(long)]
     pub activations: Option<PathBuf>,
     /// DRRQR tolerance f > 1 of the strong rank-revealing QR.
-    #[arg(long)]
+    #[arg(long, value_parser = bounds::parse_rrqr_f)]
     pub rrqr_f: Option<f64>,
     /// Which activations DRRQR scores: qk (keys and queries stacked), k or q.
-    #[arg(long)]
-    pub score_on: Option<String>,
+    #[arg(long, value_enum)]
+    pub score_on: Option<ScoreOn>,
     /// Evaluate perplexity before and after on this text (.jsonl/.txt/.parquet).
     #[arg(long)]
     pub eval: Option<String>,
     /// Number of --eval windows [default: 64].
-    #[arg(long)]
+    #[arg(long, value_parser = COUNT.parser())]
     pub eval_windows: Option<usize>,
     /// Tokens per --eval window [default: 512].
-    #[arg(long)]
+    #[arg(long, value_parser = WINDOW_TOKENS.parser())]
     pub eval_seqlen: Option<usize>,
     /// Check everything and print the plan without calibrating or writing anything.
     #[arg(long)]
@@ -263,7 +266,7 @@ pub struct PruneArgs {
     /// Models with routed state partitions (SSE): keep this many routed partitions per layer,
     /// the ones most often routed to on the calibration text (the router's rows of the others
     /// are dropped).
-    #[arg(long)]
+    #[arg(long, value_parser = WIDTH.parser())]
     pub prune_partitions: Option<usize>,
 }
 
@@ -272,17 +275,19 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt length for prefill and before decoding.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = PROMPT_TOKENS.parser())]
     pub prompt_len: usize,
     /// Decode steps timed per batch size.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = COUNT.parser())]
     pub decode_steps: usize,
     /// Comma-separated batch sizes.
-    #[arg(long, default_value = "1,16,64")]
-    pub batch_sizes: String,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value = "1,16,64", value_delimiter = ',', value_parser = BATCH.parser())]
+    pub batch_sizes: Vec<usize>,
+    /// Timed rounds per batch size (the median is reported).
+    #[arg(long, default_value_t = 3, value_parser = COUNT.parser())]
     pub iterations: usize,
-    #[arg(long, default_value_t = 1)]
+    /// Untimed rounds before them.
+    #[arg(long, default_value_t = 1, value_parser = WARMUP.parser())]
     pub warmup: usize,
     /// A second (pruned) model to compare against.
     #[arg(long)]
@@ -373,6 +378,53 @@ pub struct SweepArgs {
     pub fresh: bool,
 }
 
+fn parse_device(s: &str) -> Result<DeviceSpec, String> {
+    s.parse()
+}
+
+/// A usage error as one line without the `error:` prefix: `--flag value: why` for a rejected
+/// value, in the words statecut's own checks use; clap's first line and tips for the rest.
+pub fn usage_error(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let text = |k| match e.get(k) {
+        Some(ContextValue::String(s)) => Some(s.as_str()),
+        _ => None,
+    };
+    // "--seqlen <SEQLEN>" names the flag as "--seqlen".
+    let flag = text(ContextKind::InvalidArg).and_then(|a| a.split_whitespace().next());
+    let value = text(ContextKind::InvalidValue).filter(|v| !v.is_empty());
+    match (e.kind(), flag, value) {
+        (ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand, _, _) => {
+            "a subcommand is required: eval, inspect, calibrate, prune, sweep or bench; see --help".into()
+        }
+        (ErrorKind::ValueValidation, Some(f), Some(v)) => {
+            let why = std::error::Error::source(e).map(|s| s.to_string()).unwrap_or_else(|| "invalid value".into());
+            format!("{f} {v}: {why}")
+        }
+        (ErrorKind::InvalidValue, Some(f), Some(v)) => {
+            let valid = match e.get(ContextKind::ValidValue) {
+                Some(ContextValue::Strings(s)) => s.join(", "),
+                _ => String::new(),
+            };
+            format!("{f} {v}: unknown {}; choose one of {valid}", f.trim_start_matches('-'))
+        }
+        _ => {
+            // clap's message, its continuation lines (missing flags, possible values) and tips.
+            let rendered = e.render().to_string();
+            let lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+            let mut msg = String::new();
+            for l in lines.take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information")) {
+                let l = l.strip_prefix("error: ").unwrap_or(l);
+                if !msg.is_empty() {
+                    msg += if l.starts_with("tip:") { "; " } else { " " };
+                }
+                msg += l;
+            }
+            msg + "; see --help"
+        }
+    }
+}
+
 impl PruneArgs {
     /// Arguments that take everything from a recipe file (used by tests and tooling).
     pub fn for_recipe(config: &std::path::Path) -> Self {
@@ -381,8 +433,8 @@ impl PruneArgs {
                 model: String::new(),
                 revision: "main".into(),
                 tokenizer: None,
-                dtype: "auto".into(),
-                device: "cpu".into(),
+                dtype: Dtype::Auto,
+                device: DeviceSpec::Cpu,
             },
             memory: MemoryArgs::default(),
             config: Some(config.to_path_buf()),

@@ -31,8 +31,8 @@ pub fn load_with(args: &ModelArgs, memory: &MemoryArgs, grad: bool, quiet: bool)
     let family = family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
     let tokenizer = TextTokenizer::load(&dir, args.tokenizer.as_deref(), &ckpt.config)?;
-    let device = crate::device::parse_device(&args.device)?;
-    let dtype = crate::device::parse_dtype(&args.dtype, &device)?;
+    let device = args.device.open()?;
+    let dtype = args.dtype.resolve(&device);
     let (model, streamed) = open_model(&ckpt, family, &LoadOptions { dtype, device, grad }, memory)?;
     if !quiet {
         let how = if streamed { ", layer-streamed" } else { "" };
@@ -63,6 +63,9 @@ pub fn open_model(
 /// Tokenized calibration sequences: documents joined with the end-of-text token and cut into
 /// `n` sequences of `seqlen` tokens, warning when the text falls short.
 pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize, quiet: bool) -> Result<Vec<Vec<u32>>> {
+    if n == 0 || seqlen == 0 {
+        anyhow::bail!("the number of sequences and their length must be positive (--nsamples, --seqlen)");
+    }
     let want = n * seqlen;
     let mut docs = 0usize;
     let counted = src.documents()?.inspect(|_| docs += 1);

@@ -216,7 +216,7 @@ impl TextTokenizer {
 /// Evaluation windows: window i = tokens[i·L .. i·L + L + 1]; the model reads the first L and
 /// predicts the last L.
 pub fn windows(tokens: &[u32], seqlen: usize, max_windows: usize) -> Vec<&[u32]> {
-    if tokens.len() < seqlen + 1 {
+    if seqlen == 0 || tokens.len() < seqlen + 1 {
         return Vec::new();
     }
     let n = ((tokens.len() - 1) / seqlen).min(max_windows);

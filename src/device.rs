@@ -1,45 +1,89 @@
-//! `--device` and `--dtype` parsing.
+//! `--device` and `--dtype`: typed values, resolved to candle's once the device is opened.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
+use std::fmt;
+use std::str::FromStr;
 
-/// Parse `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        _ if s == "cuda" || s.starts_with("cuda:") => {
-            let ordinal = s.strip_prefix("cuda:").map(str::parse::<usize>).transpose()?.unwrap_or(0);
-            if !candle_core::utils::cuda_is_available() {
-                bail!("--device {s}: this statecut was built without CUDA; rebuild with `cargo build --release --features cuda`");
-            }
-            let device = Device::new_cuda(ordinal)?;
-            #[cfg(feature = "cuda")]
-            if let Device::Cuda(c) = &device {
-                // SAFETY: statecut runs all work of a device on its one stream, where cudarc's
-                // per-buffer events (two created and destroyed per allocation) serve nothing.
-                unsafe { c.disable_event_tracking() }
-            }
-            Ok(device)
+/// Where a model runs: `cpu`, `cuda` (device 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let expected = || "expected cpu, cuda or cuda:N".to_string();
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => match s.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Self::Cuda).map_err(|_| expected()),
+                None => Err(expected()),
+            },
         }
-        _ => bail!("--device {s}: expected cpu, cuda or cuda:N"),
     }
 }
 
-/// Parse `auto|f32|bf16|f16`; `auto` is f32 on CPU and bf16 on GPUs.
-pub fn parse_dtype(s: &str, device: &Device) -> Result<DType> {
-    Ok(match s {
-        "auto" => {
-            if device.is_cpu() {
-                DType::F32
-            } else {
-                DType::BF16
-            }
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
         }
-        "f32" | "float32" => DType::F32,
-        "bf16" | "bfloat16" => DType::BF16,
-        "f16" | "float16" => DType::F16,
-        _ => bail!("--dtype {s}: expected auto, f32, bf16 or f16"),
-    })
+    }
+}
+
+impl DeviceSpec {
+    /// Open the device (fails when this build has no CUDA or the ordinal does not exist).
+    pub fn open(self) -> Result<Device> {
+        let Self::Cuda(ordinal) = self else { return Ok(Device::Cpu) };
+        if !candle_core::utils::cuda_is_available() {
+            bail!("--device {self}: this statecut was built without CUDA; rebuild with `cargo build --release --features cuda`");
+        }
+        let device = Device::new_cuda(ordinal)?;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(c) = &device {
+            // SAFETY: statecut runs all work of a device on its one stream, where cudarc's
+            // per-buffer events (two created and destroyed per allocation) serve nothing.
+            unsafe { c.disable_event_tracking() }
+        }
+        Ok(device)
+    }
+}
+
+/// Compute dtype; `auto` is f32 on the CPU and bf16 on GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Dtype {
+    #[default]
+    Auto,
+    #[value(alias = "float32")]
+    F32,
+    #[value(alias = "bfloat16")]
+    Bf16,
+    #[value(alias = "float16")]
+    F16,
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        let v = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+        f.write_str(v.get_name())
+    }
+}
+
+impl Dtype {
+    pub fn resolve(self, device: &Device) -> DType {
+        match self {
+            Self::Auto if device.is_cpu() => DType::F32,
+            Self::Auto | Self::Bf16 => DType::BF16,
+            Self::F32 => DType::F32,
+            Self::F16 => DType::F16,
+        }
+    }
 }
 
 /// Free memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
@@ -55,4 +99,22 @@ pub fn memory_info(device: &Device) -> Option<(usize, usize)> {
     }
     let _ = device;
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs() {
+        assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(DeviceSpec::Cuda(3)));
+        for bad in ["", "tpu", "cuda:", "cuda:-1", "cuda:x", "CPU"] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
+        }
+        assert_eq!(DeviceSpec::Cuda(2).to_string(), "cuda:2");
+        assert_eq!(Dtype::Bf16.to_string(), "bf16");
+        assert_eq!(Dtype::Auto.resolve(&Device::Cpu), DType::F32);
+    }
 }

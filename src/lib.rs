@@ -6,6 +6,7 @@
 
 pub mod arch;
 pub mod bench;
+pub mod bounds;
 pub mod calib;
 pub mod checkpoint;
 pub mod cli;

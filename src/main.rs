@@ -2,7 +2,12 @@ use clap::Parser;
 use statecut::cli::{Cli, Command};
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print and exit 0; a usage error is one line and exit 1, as any other.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => fail(&statecut::cli::usage_error(&e)),
+    };
     let q = cli.quiet;
     let result = match &cli.command {
         Command::Eval(a) => statecut::commands::eval(a, q),
@@ -17,8 +22,11 @@ fn main() {
     }
     if let Err(e) = result {
         // One line: the context chain joined with ": " (candle appends backtraces on later lines).
-        let msg = format!("{e:#}");
-        eprintln!("error: {}", msg.lines().next().unwrap_or("unknown error").trim_end());
-        std::process::exit(1);
+        fail(&format!("{e:#}"));
     }
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("error: {}", msg.lines().next().unwrap_or("unknown error").trim_end());
+    std::process::exit(1);
 }

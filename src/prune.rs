@@ -34,6 +34,9 @@ fn head_blocks(
                 })?,
                 None => ckpt.tensor_f32(&s.tensor)?,
             };
+            if t.dims() != ckpt.info(&s.tensor)?.shape {
+                bail!("the activations file's gradient for {} has shape {:?}, not the weight's", s.tensor, t.dims());
+            }
             cache.insert(key.clone(), t.flatten_all()?.to_vec1::<f32>()?);
         }
         let data = &cache[&key];
@@ -243,8 +246,8 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     if out_layout.dk != k || out_layout.layers.len() != layout.layers.len() {
         bail!("internal error: the pruned config describes d_k {} (expected {k})", out_layout.dk);
     }
-    let device = crate::device::parse_device(&args.model.device)?;
-    let dtype = crate::device::parse_dtype(&args.model.dtype, &device)?;
+    let device = args.model.device.open()?;
+    let dtype = args.model.dtype.resolve(&device);
     let opts = LoadOptions { dtype, device, grad: false };
     let (reloaded, reload_streamed) = crate::commands::open_model(&out_ckpt, family, &opts, &args.memory)
         .context("reloading the pruned checkpoint")?;

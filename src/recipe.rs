@@ -34,7 +34,10 @@ pub struct Recipe {
 impl Recipe {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading recipe {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("{} is not a valid statecut recipe", path.display()))
+        let r: Self =
+            toml::from_str(&text).with_context(|| format!("{} is not a valid statecut recipe", path.display()))?;
+        crate::bounds::check_recipe(&r).with_context(|| format!("recipe {}", path.display()))?;
+        Ok(r)
     }
 }
 
@@ -102,12 +105,11 @@ impl Plan {
             Some(p) => Recipe::load(p)?,
             None => Recipe::default(),
         };
-        let method: Method = a
-            .method
-            .clone()
-            .or(r.method.clone())
-            .context("--method is required (l1, swanda, grad, rand or drrqr)")?
-            .parse()?;
+        let method = match (a.method, &r.method) {
+            (Some(m), _) => m,
+            (None, Some(m)) => m.parse()?,
+            (None, None) => bail!("--method is required (l1, swanda, grad, rand or drrqr)"),
+        };
         let ratio = a
             .ratio
             .or(r.ratio)
@@ -131,7 +133,11 @@ impl Plan {
             ratio,
             round_to: a.round_to.or(r.round_to).unwrap_or(1).max(1),
             rrqr_f,
-            score_on: a.score_on.clone().or(r.score_on.clone()).unwrap_or_else(|| "qk".into()).parse()?,
+            score_on: match (a.score_on, &r.score_on) {
+                (Some(s), _) => s,
+                (None, Some(s)) => s.parse()?,
+                (None, None) => ScoreOn::Qk,
+            },
             calib: Calib::resolve(&a.calib, &r)?,
             eval: a.eval.clone().or(r.eval.clone()),
             eval_windows: a.eval_windows.or(r.eval_windows).unwrap_or(64),
@@ -240,7 +246,7 @@ mod tests {
     #[test]
     fn kept_width_rounding() {
         let args = PruneArgs {
-            method: Some("l1".into()),
+            method: Some(Method::L1),
             ratio: Some(0.5),
             round_to: Some(16),
             ..PruneArgs::for_recipe(Path::new(""))

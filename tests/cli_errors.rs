@@ -6,7 +6,7 @@ use std::path::Path;
 
 fn one_error_line(args: &[&str], expect: &str) {
     let (code, _out, err) = common::statecut(args, &[]);
-    assert_ne!(code, 0, "expected failure for {args:?}");
+    assert_eq!(code, 1, "expected failure for {args:?}");
     let lines: Vec<&str> = err.trim().lines().collect();
     assert_eq!(lines.len(), 1, "expected one error line, got:\n{err}");
     assert!(lines[0].starts_with("error: "), "{err}");

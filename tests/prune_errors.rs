@@ -9,7 +9,7 @@ use std::path::Path;
 fn fails_cleanly(args: &[&str], expect: &str, out: &Path) {
     let existed = out.exists();
     let (code, _o, err) = common::statecut(args, &[]);
-    assert_ne!(code, 0, "expected failure: {args:?}");
+    assert_eq!(code, 1, "expected failure: {args:?}");
     let lines: Vec<&str> = err.trim().lines().filter(|l| l.starts_with("error")).collect();
     assert_eq!(lines.len(), 1, "{err}");
     assert!(lines[0].contains(expect), "expected {expect:?} in: {err}");

@@ -14,6 +14,9 @@ pub struct ShortConv {
 impl ShortConv {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
         let (c, _, k) = weight.dims3()?;
+        if k == 0 {
+            candle_core::bail!("short conv kernel of size 0 (conv_size/conv_kernel in config.json must be at least 1)");
+        }
         Ok(Self { weight: weight.reshape((c, k))?, bias })
     }
 

@@ -8,10 +8,12 @@ use serde::Serialize;
 use std::str::FromStr;
 
 /// Which activation rows DRRQR factors (the paper's Table 16 variants).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
+#[value(rename_all = "lowercase")]
 pub enum ScoreOn {
     /// M = [K; Q] (default)
+    #[value(alias = "kq")]
     Qk,
     K,
     Q,
@@ -20,12 +22,10 @@ pub enum ScoreOn {
 impl FromStr for ScoreOn {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "qk" | "kq" => Self::Qk,
-            "k" => Self::K,
-            "q" => Self::Q,
-            _ => bail!("--score-on {s}: expected qk, k or q"),
-        })
+        match <Self as clap::ValueEnum>::from_str(s, false) {
+            Ok(v) => Ok(v),
+            Err(_) => bail!("--score-on {s}: expected qk, k or q"),
+        }
     }
 }
 

@@ -14,28 +14,29 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 use std::str::FromStr;
 
-/// A selection method.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// A selection method (`--method`, or `method` in a recipe: both accept the same names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
+#[value(rename_all = "lowercase")]
 pub enum Method {
     L1,
+    #[value(aliases = ["s-wanda", "wanda"])]
     Swanda,
+    #[value(alias = "taylor")]
     Grad,
+    #[value(alias = "random")]
     Rand,
+    #[value(alias = "rrqr")]
     Drrqr,
 }
 
 impl FromStr for Method {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "l1" => Self::L1,
-            "swanda" | "s-wanda" | "wanda" => Self::Swanda,
-            "grad" | "taylor" => Self::Grad,
-            "rand" | "random" => Self::Rand,
-            "drrqr" | "rrqr" => Self::Drrqr,
-            _ => bail!("unknown method \"{s}\"; choose one of l1, swanda, grad, rand, drrqr"),
-        })
+        match <Self as clap::ValueEnum>::from_str(s, true) {
+            Ok(m) => Ok(m),
+            Err(_) => bail!("unknown method \"{s}\"; choose one of l1, swanda, grad, rand, drrqr"),
+        }
     }
 }
 

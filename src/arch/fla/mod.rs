@@ -8,7 +8,7 @@ pub mod stack;
 use super::layered::Layers;
 use super::{parse, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
@@ -100,6 +100,9 @@ impl FlaConfig {
             bail!("qk_activation \"{}\" is not supported (only \"silu\")", self.qk_activation);
         }
         let h = self.num_heads;
+        if h == 0 {
+            bail!("num_heads must be at least 1");
+        }
         let (dk, dv, v_heads, use_gate) = match kind {
             Kind::DeltaNet => {
                 // fla: key_dim = int(hidden_size * expand_k), head_k_dim = key_dim // num_heads
@@ -126,7 +129,7 @@ impl FlaConfig {
             None => {
                 // fla GatedMLP: int(D * hidden_ratio * 2 / 3) rounded up to a multiple of 256
                 let i = (self.hidden_size as f64 * self.hidden_ratio * 2.0 / 3.0) as usize;
-                256 * i.div_ceil(256)
+                i.div_ceil(256).checked_mul(256).context("hidden_ratio gives an MLP width out of range")?
             }
         };
         Ok(Dims { kind, hidden: self.hidden_size, heads: h, v_heads, dk, dv, use_gate, intermediate })
@@ -178,7 +181,7 @@ impl Family for DeltaNetFamily {
     fn model_types(&self) -> &'static [&'static str] {
         &["delta_net"]
     }
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::DeltaNet)
     }
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
@@ -197,7 +200,7 @@ impl Family for GatedDeltaNetFamily {
     fn model_types(&self) -> &'static [&'static str] {
         &["gated_deltanet"]
     }
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         layout(ckpt, Kind::GatedDeltaNet)
     }
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {

@@ -133,6 +133,9 @@ impl Mamba2Config {
             bail!("mamba_ssm ssm_cfg.d_ssm different from expand * d_model is not supported");
         }
         let head_dim = usize_of(ssm, "headdim", Some(64))?;
+        if head_dim == 0 {
+            bail!("mamba_ssm ssm_cfg.headdim must be at least 1");
+        }
         Ok(Self {
             format: Format::MambaSsm,
             hidden,

@@ -53,7 +53,7 @@ impl Family for Mamba2Family {
         &["mamba2"]
     }
 
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         Ok(layout_of(&config(ckpt)?, |t| ckpt.tensors.contains_key(t)))
     }
 

@@ -79,7 +79,7 @@ impl Family for Qwen35Family {
         &["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next"]
     }
 
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let (variant, cfg) = config(ckpt)?;
         Ok(layout_of(variant, &cfg))
     }

@@ -1,6 +1,6 @@
 //! SSE config (`model_type: "sse"`, fla `fla/models/sse/configuration_sse.py`).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -184,7 +184,7 @@ impl SseConfig {
             None => {
                 // fla GatedMLP: int(D * hidden_ratio * 2 / 3) rounded up to a multiple of 256
                 let i = (self.hidden_size as f64 * self.hidden_ratio.unwrap_or(4.0) * 2.0 / 3.0) as usize;
-                256 * i.div_ceil(256)
+                i.div_ceil(256).checked_mul(256).context("hidden_ratio gives an MLP width out of range")?
             }
         };
         Ok(Dims {

@@ -32,7 +32,7 @@ impl Family for SseFamily {
         &["sse"]
     }
 
-    fn layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
+    fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let cfg: SseConfig = parse(ckpt, &ckpt.config)?;
         let d = cfg.dims()?;
         let mut layers = Vec::new();
