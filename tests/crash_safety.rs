@@ -206,6 +206,10 @@ fn killed_prune_leaves_nothing_or_the_previous_output() {
         |at| {
             let after = contents(&out);
             assert!(after.is_none() || after.as_ref() == Some(&new), "{at:?}: partial output {after:?}");
+            if after.is_some() {
+                // The run got past the rename before the kill.
+                std::fs::remove_dir_all(&out).unwrap();
+            }
             run_ok(&fresh);
             assert_eq!(contents(&out).as_ref(), Some(&new), "{at:?}");
             assert!(leftovers(&work).is_empty(), "{at:?}: {:?} left behind", leftovers(&work));
@@ -251,15 +255,30 @@ fn a_running_process_keeps_its_staging_directory() {
     let model = padded_model(tmp.path());
     let out = tmp.path().join("out");
     let a = args(&model, &out, "0.5", false);
-    // Process A is stopped while it writes; B runs to the same output meanwhile.
-    let mut child = spawn(&a);
-    let staging = out.with_file_name(format!(".out.statecut-tmp-{}", child.id()));
-    while !staging.exists() {
-        assert!(child.try_wait().unwrap().is_none(), "the run finished before it could be stopped");
-        std::thread::yield_now();
-    }
-    // SAFETY: signals to the child this test started.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+    // Process A is stopped while it writes (retried if it finishes first); B runs to the same
+    // output meanwhile.
+    let (mut child, staging) = (0..5)
+        .find_map(|_| {
+            let mut child = spawn(&a);
+            let staging = out.with_file_name(format!(".out.statecut-tmp-{}", child.id()));
+            while !staging.exists() {
+                if child.try_wait().unwrap().is_some() {
+                    let _ = std::fs::remove_dir_all(&out);
+                    return None;
+                }
+                std::thread::yield_now();
+            }
+            // SAFETY: a signal to the child this test started.
+            assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+            if staging.exists() {
+                return Some((child, staging));
+            }
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let _ = std::fs::remove_dir_all(&out);
+            None
+        })
+        .expect("every run finished before it could be stopped");
     run_ok(&a);
     assert!(staging.exists(), "a running process's staging directory was removed");
     assert!(contents(&out).is_some());
