@@ -96,7 +96,7 @@ pub struct Plan {
     pub eval_seqlen: usize,
     /// The recipe the plan came from, to tell given settings from defaults.
     #[serde(skip)]
-    recipe: Recipe,
+    pub(crate) recipe: Recipe,
 }
 
 impl Plan {

@@ -152,6 +152,8 @@ fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
             eval: None,
             eval_windows: a.eval_windows,
             eval_seqlen: a.eval_seqlen,
+            activations: None,
+            recipe: Recipe::default(),
         };
         let k = plan(methods[0])
             .kept_width(dk)
@@ -182,14 +184,14 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
     let vocab = crate::recall::vocab_size(&ckpt.config).unwrap_or(0);
     crate::recall::check(&tasks, &a.recall_opts, &ckpt.config, vocab)?;
     let tokenizer = TextTokenizer::load(&dir, a.model.tokenizer.as_deref(), &ckpt.config)?;
-    let device = crate::device::parse_device(&a.model.device)?;
-    let dtype = crate::device::parse_dtype(&a.model.dtype, &device)?;
+    let device = a.model.device.open()?;
+    let dtype = a.model.dtype.resolve(&device);
     let opts = LoadOptions { dtype, device, grad: false };
     let settings = Settings {
         model: a.model.model.clone(),
         revision: a.model.revision.clone(),
-        dtype: a.model.dtype.clone(),
-        device: a.model.device.clone(),
+        dtype: a.model.dtype.to_string(),
+        device: a.model.device.to_string(),
         calib: calib.source.clone(),
         text_column: calib.text_column.clone(),
         nsamples: calib.nsamples,
@@ -364,7 +366,7 @@ fn calibration(
     let m = crate::commands::load(&a.model, grad, quiet)?;
     stages.add("load", t);
     let t = Instant::now();
-    let cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch_size, quiet)?;
+    let cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch(), quiet)?;
     stages.add("calibrate", t);
     cal.save(&path, true)?;
     Ok(cal)
