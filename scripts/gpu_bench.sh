@@ -20,6 +20,13 @@
 #                         kernels, original vs pruned (scripts/state_step_bench.py)
 #   kernels:NAME          statecut eval throughput with the fused kernel vs the chunked recurrence
 #   profile:NAME          where statecut's calibration pass spends its time (STATECUT_PROFILE=1)
+#   stream:NAME           statecut prune resident, then layer-streamed under --max-device-memory
+#                         $BUDGET (default 4GiB): wall time, peak GPU memory, and whether both kept
+#                         the same channels
+#   streamonly:NAME       statecut prune layer-streamed (--offload) only, for checkpoints larger
+#                         than the GPU: wall time, peak GPU memory, per-stage seconds
+# MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
+# NSAMPLES sets the calibration sequences of the stream stages (default 128).
 set -u
 BUNDLE=$1; DEST=$2; shift 2
 # Logs and JSON go to a work folder packed into DEST/results.tgz after every stage, so a run cut
@@ -59,7 +66,7 @@ peak() {
 # call's machine, which held it, is gone.
 ensure() {
   [ -d $CK/$1 ] || python3 scripts/make_random_checkpoints.py $CK --models "$1" --tokenizer-from "$BUNDLE/tokenizer" \
-    > "$OUT/make_$1.log" 2>&1
+    ${MAKE_ARGS:-} > "$OUT/make_$1.log" 2>&1
   if [ "${2:-}" = pruned ] && [ ! -d $CK/$1-statecut ]; then
     $SC prune -m $CK/$1 --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 128 --seqlen 2048 --device cuda \
       --dtype bf16 -q -o $CK/$1-statecut > /dev/null 2>&1
@@ -69,7 +76,7 @@ ensure() {
 for stage in "$@"; do
   name=${stage#*:}
   case $stage in
-    statecut:*|reference:*|kernels:*|profile:*) ensure "$name" ;;
+    statecut:*|reference:*|kernels:*|profile:*|stream:*|streamonly:*) ensure "$name" ;;
     decode:*|bench:*|state:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
@@ -124,6 +131,35 @@ EOF
       STATECUT_PROFILE=1 $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 32 \
         --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-profiled > "$OUT/profile_$name.log" 2>&1
       echo "profile rc $?"; tail -16 "$OUT/profile_$name.log"; rm -rf $CK/$name-profiled ;;
+    stream:*)
+      for mode in resident streamed; do
+        flags=""; [ $mode = streamed ] && flags="--max-device-memory ${BUDGET:-4GiB}"
+        rm -rf $CK/$name-$mode
+        peak "$OUT/stream_${name}_$mode.log" $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" \
+          --nsamples ${NSAMPLES:-128} --seqlen 2048 --device cuda --dtype bf16 $flags -o $CK/$name-$mode \
+          > "$OUT/stream_${name}_$mode.json"
+        echo "$mode: $(cat "$OUT/stream_${name}_$mode.json")"; tail -2 "$OUT/stream_${name}_$mode.log"
+        cp $CK/$name-$mode/statecut_report.json "$OUT/stream_${name}_${mode}_report.json" 2>/dev/null
+        # the weights are not needed once the report is copied, and the disk holds one copy
+        rm -f $CK/$name-$mode/*.safetensors
+      done
+      python3 - "$OUT/stream_${name}_resident_report.json" "$OUT/stream_${name}_streamed_report.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+kept = lambda r: [[h["kept"] for h in l["heads"]] for l in r["layers"]]
+print(json.dumps({"same_kept_channels": kept(a) == kept(b), "memory": [a.get("memory"), b.get("memory")],
+                  "seconds": [a["seconds"], b["seconds"]]}))
+PY
+      ;;
+    streamonly:*)
+      rm -rf $CK/$name-streamed
+      peak "$OUT/streamonly_$name.log" $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" \
+        --nsamples ${NSAMPLES:-128} --seqlen 2048 --device cuda --dtype bf16 --offload -o $CK/$name-streamed \
+        > "$OUT/streamonly_$name.json"
+      cat "$OUT/streamonly_$name.json"; tail -2 "$OUT/streamonly_$name.log"
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'seconds': r['seconds'], 'memory': r.get('memory'), 'layers': len(r['layers'])}))" \
+        $CK/$name-streamed/statecut_report.json | tee "$OUT/streamonly_${name}_stages.json"
+      rm -rf $CK/$name-streamed ;;
     *) echo "unknown stage $stage" ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$OUT" .
