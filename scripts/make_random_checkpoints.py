@@ -10,6 +10,11 @@ bf16. Speed depends on shapes, not on trained values; these are for benchmarks o
                    heads x 128, MLP 12288, vocab 248320
   mamba2_7b        Mamba-2 at Mamba-Codestral-7B's shapes: hidden 4096, 64 layers, 128 heads x 64,
                    8 groups, state 128, vocab 32768 (transformers' Mamba2ForCausalLM)
+  qwen3_5_35b_a3b  Qwen3.5/3.6-35B-A3B text model (Qwen3_5MoeForCausalLM): hidden 2048, 40 layers
+                   (every 4th full attention, 16 q / 2 kv heads x 256), linear attention 16 key
+                   heads x 128 and 32 value heads x 128, 256 experts (top 8) of 512 plus a shared
+                   expert of 512, vocab 248320; about 1.6 GB of experts per layer in bf16, so
+                   `--set num_hidden_layers=N` keeps a prefix that fits the disk
 
 The tokenizer files are copied from --tokenizer-from (a small trained model's tokenizer: its ids
 are valid in the larger vocabularies), so text-driven commands run unchanged.
@@ -54,10 +59,21 @@ def build(name, overrides):
         kw = dict(hidden_size=4096, num_hidden_layers=64, state_size=128, n_groups=8, head_dim=64,
                   num_heads=128, expand=2, conv_kernel=4, vocab_size=32768, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    elif name == "qwen3_5_35b_a3b":
+        from transformers import Qwen3_5MoeForCausalLM as Model, Qwen3_5MoeTextConfig as Config
+
+        kw = dict(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
+                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
+                  linear_num_value_heads=32, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                  num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                  shared_expert_intermediate_size=512, attn_output_gate=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None)
     else:
         raise SystemExit(f"unknown model {name}")
     kw.update(overrides)
-    if name == "qwen3_5_9b":
+    if name in ("qwen3_5_9b", "qwen3_5_35b_a3b"):
         n = kw["num_hidden_layers"]
         kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
     return Model(Config(**kw))
