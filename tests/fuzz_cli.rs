@@ -471,8 +471,10 @@ fn apply(fault: &Fault, model: &Path, acts: &Path, cmd: &str, args: &mut Vec<Str
                     bytes = join_safetensors(&header, &data);
                 }
                 2 => {
+                    // Files written before `text_column` and `statecut_version` existed still load.
                     let meta = header["__metadata__"].as_object_mut().unwrap();
-                    let keys: Vec<String> = meta.keys().filter(|k| *k != "complete").cloned().collect();
+                    let optional = ["complete", "text_column", "statecut_version"];
+                    let keys: Vec<String> = meta.keys().filter(|k| !optional.contains(&k.as_str())).cloned().collect();
                     meta.remove(&keys[keys.len() * *pm as usize / 1000]);
                     bytes = join_safetensors(&header, &data);
                 }
