@@ -1,4 +1,5 @@
-//! Layer-streamed runs equal resident ones: on every reference model, with a device-memory
+//! Layer-streamed runs equal resident ones: on every reference model and the Qwen3.5 MoE
+//! fixtures, with a device-memory
 //! budget so small that every layer streams, prune keeps the same channels and measures the
 //! same perplexity, and eval and inspect agree; a budget below one layer is one clear error.
 
@@ -8,6 +9,14 @@ use serde_json::Value;
 use std::path::Path;
 
 const MODELS: [&str; 4] = ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"];
+
+/// The reference models, then the committed Qwen3.5 MoE fixtures (wrapper and flat export).
+fn models(shared: &Path) -> Vec<(String, std::path::PathBuf)> {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let reference = MODELS.iter().map(|n| (n.to_string(), shared.join("models").join(n)));
+    let moe = ["qwen3_5_moe", "qwen3_5_moe_text"].into_iter().map(|n| (n.to_string(), fixtures.join(n)));
+    reference.chain(moe).collect()
+}
 
 fn run_ok(args: &[&str]) -> String {
     let (code, out, err) = common::statecut(args, &[]);
@@ -65,8 +74,7 @@ fn prune_streamed_equals_resident() {
     let calib = shared.join("data/calib/wiki.jsonl");
     let eval = shared.join("data/eval/wiki.jsonl");
     let tmp = tempfile::tempdir().unwrap();
-    for name in MODELS {
-        let model = shared.join("models").join(name);
+    for (name, model) in models(&shared) {
         let prune = |out: &Path, extra: &[&str]| -> (i32, String) {
             let mut args = vec![
                 "prune",
@@ -136,8 +144,7 @@ fn prune_streamed_equals_resident() {
 fn eval_and_inspect_streamed_equal_resident() {
     let Some(shared) = common::shared() else { return };
     let eval = shared.join("data/eval/wiki.jsonl");
-    for name in MODELS {
-        let model = shared.join("models").join(name);
+    for (name, model) in models(&shared) {
         let m = model.to_str().unwrap();
         let e = eval.to_str().unwrap();
         let ev = |extra: &[&str]| -> Value {
