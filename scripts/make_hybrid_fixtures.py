@@ -17,7 +17,7 @@
                                     1-based kda_layers / full_attn_layers), first layer dense, the other layers a
                                     sigmoid-routed MoE with correction bias, routed scaling and a shared expert.
 
-Every Mamba-2 mixer has n_groups 2 and state size 64; the KDA key (= value) head dim is 32. The weights are
+Every Mamba-2 mixer has n_groups 2 and state size 64; the KDA key (= value) head dim is 64. The weights are
 seeded random, matrices ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1²), Mamba A = U(1, 16), dt_bias the inverse
 softplus of a log-uniform dt in [0.01, 0.1] (KDA: [0.001, 0.1] as transformers initialises it), routers doubled
 so that routing is decisive, MoE correction biases ~ N(0, 0.2²). They are stored in bf16 as the releases are
@@ -95,7 +95,7 @@ KIMI_LINEAR = dict(
     moe_router_activation_func="sigmoid", num_experts=8, num_experts_per_token=2, num_shared_experts=1,
     routed_scaling_factor=2.446, use_grouped_topk=True, num_expert_group=1, topk_group=1,
     num_nextn_predict_layers=0,
-    linear_attn_config=dict(full_attn_layers=[3, 5], kda_layers=[1, 2, 4], head_dim=32, num_heads=2,
+    linear_attn_config=dict(full_attn_layers=[3, 5], kda_layers=[1, 2, 4], head_dim=64, num_heads=2,
                             short_conv_kernel_size=4),
 )
 
