@@ -9,6 +9,10 @@ the GPU, and compare its perplexity with statecut's (same windows, same tokens).
 
 Run on a GPU machine with torch, transformers and flash-linear-attention installed:
     python3 scripts/verify_reload.py --bin target/release/statecut --shared ../shared --out reload/
+The hybrid fixtures (Nemotron-H, Granite 4.0-H, Falcon-H1), on the CPU:
+    python3 scripts/verify_reload.py --bin target/release/statecut --shared ../shared --out reload-hybrids/ \
+        --model-dirs tests/fixtures/nemotron_h,tests/fixtures/granite_h,tests/fixtures/granite_h_dense,tests/fixtures/falcon_h1 \
+        --device cpu --nsamples 8 --seqlen 512 --windows 16
 The Qwen3.5/3.6 MoE fixtures (the multimodal wrapper is reloaded as
 Qwen3_5MoeForConditionalGeneration, the class its config names), on the CPU:
     python3 scripts/verify_reload.py --bin target/release/statecut --shared ../shared --out reload-moe/ \
@@ -79,6 +83,10 @@ def key_widths(model, cfg):
         for layer in layers:
             if hasattr(layer, "linear_attn"):
                 return layer.linear_attn.head_k_dim, layer.linear_attn.head_v_dim
+    # Mamba-2 mixers of the hybrids (Nemotron-H, Granite 4.0-H, Falcon-H1)
+    for mod in model.modules():
+        if hasattr(mod, "ssm_state_size") and hasattr(mod, "head_dim"):
+            return mod.ssm_state_size, mod.head_dim
     return None, None
 
 

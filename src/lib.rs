@@ -17,6 +17,7 @@ pub mod device;
 pub mod eval;
 pub mod hub;
 pub mod inspect;
+pub mod layers;
 pub mod linalg;
 pub mod ops;
 pub mod plot;

@@ -141,6 +141,9 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     let family: &dyn Family = crate::arch::family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
     let k = plan.kept_width(layout.dk)?;
+    // The config edit first: a family that cannot express the new width says so before any work.
+    let mut config = ckpt.config.clone();
+    family.set_key_width(&mut config, &layout, k)?;
     let model_type = ckpt.model_type()?;
     let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
     let staged = Staged::new(&args.output, args.overwrite, &dir)?;
@@ -232,8 +235,6 @@ pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
     };
     let mut streamed = loaded.as_ref().is_some_and(|m| m.streamed);
     drop(loaded);
-    let mut config = ckpt.config.clone();
-    family.set_key_width(&mut config, &layout, k)?;
     let mut rows = kept_rows(&ckpt, &layout, &keep)?;
     if let Some(keep_parts) = &partitions {
         rows.extend(family.keep_partitions(&mut config, keep_parts)?);

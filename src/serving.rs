@@ -118,6 +118,9 @@ pub static RUNS_IN: &[(&[&str], &str)] = &[
          the architecture, subject to the warnings",
     ),
     (&["mamba2"], "transformers (Mamba2ForCausalLM; 5.24+ for n_groups > 1); mamba_ssm inputs are written back as pytorch_model.bin"),
+    (&["nemotron_h"], "transformers (NemotronHForCausalLM)"),
+    (&["granitemoehybrid"], "transformers (GraniteMoeHybridForCausalLM)"),
+    (&["falcon_h1"], "transformers (FalconH1ForCausalLM)"),
     (&["sse"], "scripts/sse_reference.py (fla tensor names; fla's own SSE layers not yet run)"),
 ];
 

@@ -15,16 +15,23 @@ pub trait Block: Send + Sync {
     fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor>;
 }
 
-/// The end of a causal LM: the final norm and the LM head.
+/// The end of a causal LM: the final norm and the LM head, whose logits are multiplied by
+/// `scale` (muP: Granite's 1/logits_scaling, Falcon-H1's lm_head_multiplier; 1 elsewhere).
 pub struct Head {
     pub norm: RmsNorm,
     pub lm_head: Linear,
+    pub scale: f64,
 }
 
 impl Head {
+    pub fn new(norm: RmsNorm, lm_head: Linear) -> Self {
+        Self { norm, lm_head, scale: 1.0 }
+    }
+
     /// Logits, or the normed hidden state (hidden state `index`) when the observer needs none.
     pub fn forward(&self, h: &Tensor, obs: &mut dyn Observer, index: usize) -> Result<Tensor> {
-        super::head(h, &self.norm, &self.lm_head, obs, index)
+        let out = super::head(h, &self.norm, &self.lm_head, obs, index)?;
+        Ok(if self.scale != 1.0 && obs.needs_logits() { (out * self.scale)? } else { out })
     }
 }
 
@@ -49,6 +56,10 @@ pub trait Layers: Send + Sync {
     fn reports_embeddings(&self) -> bool {
         true
     }
+    /// The factor on the embeddings (muP `embedding_multiplier`; 1 elsewhere).
+    fn embed_scale(&self) -> f64 {
+        1.0
+    }
     fn device(&self) -> &Device;
 }
 
@@ -59,7 +70,10 @@ pub fn load_block(layers: &dyn Layers, i: usize, vars: &mut Vec<(String, Var)>) 
 
 /// The embeddings of `ids`, reported to the observer as hidden state 0 where the family does.
 pub fn embed(layers: &dyn Layers, embed: &Embedding, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
-    let h = embed.forward(ids)?;
+    let mut h = embed.forward(ids)?;
+    if layers.embed_scale() != 1.0 {
+        h = (h * layers.embed_scale())?;
+    }
     if layers.reports_embeddings() {
         obs.hidden(0, &h)?;
     }

@@ -6,9 +6,14 @@
 //! selectors, surgery, reports) is written once against these descriptions.
 
 mod defaults;
+pub mod falcon_h1;
 pub mod fla;
+pub mod granite_h;
+pub mod keys;
+pub mod kimi_linear;
 pub mod layered;
 pub mod mamba2;
+pub mod nemotron_h;
 pub mod qwen3_5;
 pub mod sse;
 
@@ -227,6 +232,21 @@ pub enum LayerCache {
     Recurrent { conv: Vec<Tensor>, state: Tensor },
     /// Keys and values of a softmax-attention layer [B, H, T, d].
     Attention { k: Tensor, v: Tensor },
+    /// One cache per branch of a layer whose mixers run side by side (Falcon-H1).
+    Parallel(Vec<LayerCache>),
+}
+
+impl LayerCache {
+    fn elems(&self) -> usize {
+        match self {
+            LayerCache::Empty => 0,
+            LayerCache::Recurrent { conv, state } => {
+                state.elem_count() + conv.iter().map(Tensor::elem_count).sum::<usize>()
+            }
+            LayerCache::Attention { k, v } => k.elem_count() + v.elem_count(),
+            LayerCache::Parallel(branches) => branches.iter().map(LayerCache::elems).sum(),
+        }
+    }
 }
 
 /// A decoding session: one cache per layer and the number of tokens seen.
@@ -249,16 +269,7 @@ impl DecodeCache {
 
     /// Elements held by recurrent states and attention caches (what a smaller state saves).
     pub fn elems(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| match l {
-                LayerCache::Empty => 0,
-                LayerCache::Recurrent { conv, state } => {
-                    state.elem_count() + conv.iter().map(Tensor::elem_count).sum::<usize>()
-                }
-                LayerCache::Attention { k, v } => k.elem_count() + v.elem_count(),
-            })
-            .sum()
+        self.layers.iter().map(LayerCache::elems).sum()
     }
 }
 
@@ -359,8 +370,17 @@ pub trait Family: Sync {
     }
 }
 
-static FAMILIES: &[&dyn Family] =
-    &[&fla::DeltaNetFamily, &fla::GatedDeltaNetFamily, &mamba2::Mamba2Family, &qwen3_5::Qwen35Family, &sse::SseFamily];
+static FAMILIES: &[&dyn Family] = &[
+    &fla::DeltaNetFamily,
+    &fla::GatedDeltaNetFamily,
+    &mamba2::Mamba2Family,
+    &qwen3_5::Qwen35Family,
+    &sse::SseFamily,
+    &nemotron_h::NemotronHFamily,
+    &granite_h::GraniteHybridFamily,
+    &falcon_h1::FalconH1Family,
+    &kimi_linear::KimiLinearFamily,
+];
 
 /// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
 /// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).

@@ -13,12 +13,20 @@
 //!   O = (Q ∘ e^γ) S₀ + (Q Kᵀ ∘ D) U,   S_C = e^{γ_C} S₀ + (K ∘ e^{γ_C − γ})ᵀ U
 //! (I − A)⁻¹ = Π_{i<log₂C} (I + A^{2^i}) exactly, because A is strictly lower triangular (A^C = 0),
 //! which keeps the solve in matmuls too (in float64, see below).
+//!
+//! With a decay per key channel (GLA, Kimi Delta Attention) γ becomes a cumulative log decay per
+//! channel Γ [C, dk], and D is folded into the factors: K̂ = K ∘ e^Γ, K̃ = K ∘ e^−Γ, Q̂ = Q ∘ e^Γ,
+//!   delta rule: A = −diag(β) (K̂ K̃ᵀ) strictly lower,  (I − A) U = β V − diag(β) K̂ S₀
+//!   O = Q̂ S₀ + (Q̂ K̃ᵀ ∘ causal) U,   S_C = diag(e^{Γ_C}) S₀ + (K ∘ e^{Γ_C − Γ})ᵀ U
+//! in float64 over short chunks, so that e^−Γ stays finite.
 
 use super::delta_rule::{Recurrence, Rule};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Chunk length used for long sequences (fla's default for the delta rule).
 pub const CHUNK: usize = 64;
+/// Chunk length with per-channel decays: e^−Γ over a chunk must stay finite in float64.
+pub const CHANNEL_CHUNK: usize = 16;
 
 /// [B,T,H,d] -> [N,B·H,C,d] float32, T zero-padded to N·C. Chunk-major so that chunk n is a
 /// contiguous [B·H,C,d] block for the sequential walk; at most two batch dims, as matmul wants.
@@ -38,8 +46,8 @@ fn mask(c: usize, dev: &Device, keep: impl Fn(usize, usize) -> bool, yes: f32, n
 
 /// Outputs o [B,T,H,dv] and final state [B,H,dk,dv], both float32.
 pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
-    if rec.gk.is_some() {
-        candle_core::bail!("the chunked recurrence has no per-key-channel decay; use the sequential kernel");
+    if let Some(gk) = rec.gk {
+        return forward_per_channel(rec, gk);
     }
     let (b, t, h, dk) = rec.q.dims4()?;
     let dv = rec.v.dim(3)?;
@@ -78,17 +86,7 @@ pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
             let a = (k_beta.matmul(&k_t)? * &decay)?.broadcast_mul(&strict)?.neg()?;
             // In float64: repeated squaring in float32 loses the un-gated DeltaNet's trained keys
             // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost.
-            let a = a.to_dtype(DType::F64)?;
-            let eye = Tensor::eye(c, DType::F64, dev)?;
-            let mut inv = a.broadcast_add(&eye)?;
-            let mut power = a;
-            let mut span = 2;
-            while span < c {
-                power = power.matmul(&power)?;
-                inv = inv.matmul(&power.broadcast_add(&eye)?)?;
-                span *= 2;
-            }
-            let inv = inv.to_dtype(DType::F32)?;
+            let inv = unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?;
             (inv.matmul(&v_beta)?, Some(inv.matmul(&k_beta.broadcast_mul(&e_gamma)?)?))
         }
     };
@@ -116,9 +114,71 @@ pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
 }
 
-/// Whether [`forward`] handles this recurrence.
-pub fn supports(rec: &Recurrence) -> bool {
-    rec.gk.is_none()
+/// The inverse (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) in float64.
+fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
+    let a = a.to_dtype(DType::F64)?;
+    let eye = Tensor::eye(c, DType::F64, a.device())?;
+    let mut inv = a.broadcast_add(&eye)?;
+    let mut power = a;
+    let mut span = 2;
+    while span < c {
+        power = power.matmul(&power)?;
+        inv = inv.matmul(&power.broadcast_add(&eye)?)?;
+        span *= 2;
+    }
+    Ok(inv)
+}
+
+/// [`forward`] with a decay per key channel `gk` [B,T,H,dk] (and the scalar `g` on top).
+fn forward_per_channel(rec: &Recurrence, gk: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, dk) = rec.q.dims4()?;
+    let dv = rec.v.dim(3)?;
+    let dev = rec.q.device();
+    let c = CHANNEL_CHUNK.min(t.next_power_of_two());
+    let n = t.div_ceil(c);
+    let f64 = |x: Tensor| x.to_dtype(DType::F64);
+    let q = f64((chunks(rec.q, c)? * rec.scale)?)?;
+    let k = f64(chunks(rec.k, c)?)?;
+    let v = f64(chunks(rec.v, c)?)?;
+    let beta = f64(chunks(&rec.beta.unsqueeze(3)?, c)?)?; // [N,BH,C,1]
+    let mut gam = f64(chunks(gk, c)?)?.cumsum(2)?; // [N,BH,C,dk]
+    if let Some(g) = rec.g {
+        gam = gam.broadcast_add(&f64(chunks(&g.unsqueeze(3)?, c)?)?.cumsum(2)?)?;
+    }
+    let (up, down) = (gam.exp()?, gam.neg()?.exp()?);
+    let k_hat = (&k * &up)?;
+    let k_til_t = (&k * &down)?.t()?.contiguous()?; // [N,BH,dk,C]
+    let q_hat = (&q * &up)?;
+    let last = gam.narrow(2, c - 1, 1)?; // [N,BH,1,dk]
+    let k_to_end = (&k * last.broadcast_sub(&gam)?.exp()?)?.t()?.contiguous()?; // [N,BH,dk,C]
+    let chunk_decay = last.exp()?.transpose(2, 3)?; // [N,BH,dk,1]: rows of S
+    let mask64 = |keep: fn(usize, usize) -> bool| mask(c, dev, keep, 1.0, 0.0)?.to_dtype(DType::F64);
+    let v_beta = v.broadcast_mul(&beta)?;
+    let (w, kc) = match rec.rule {
+        Rule::Plain => (v_beta, None),
+        Rule::Delta => {
+            let a = k_hat.broadcast_mul(&beta)?.matmul(&k_til_t)?.broadcast_mul(&mask64(|t, j| j < t)?)?.neg()?;
+            let inv = unit_lower_inverse(&a, c)?;
+            (inv.matmul(&v_beta)?, Some(inv.matmul(&k_hat.broadcast_mul(&beta)?)?))
+        }
+    };
+    let qk = q_hat.matmul(&k_til_t)?.broadcast_mul(&mask64(|t, j| j <= t)?)?;
+    let mut s = match rec.initial {
+        Some(s) => s.to_dtype(DType::F64)?.reshape((b * h, dk, dv))?,
+        None => Tensor::zeros((b * h, dk, dv), DType::F64, dev)?,
+    };
+    let mut outs = Vec::with_capacity(n);
+    for i in 0..n {
+        let u = match &kc {
+            Some(kc) => (w.get(i)? - kc.get(i)?.matmul(&s)?)?,
+            None => w.get(i)?,
+        };
+        outs.push((q_hat.get(i)?.matmul(&s)? + qk.get(i)?.matmul(&u)?)?);
+        s = (s.broadcast_mul(&chunk_decay.get(i)?)? + k_to_end.get(i)?.matmul(&u)?)?;
+    }
+    let o = Tensor::stack(&outs, 0)?.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
+    let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
+    Ok((o.contiguous()?.to_dtype(DType::F32)?, s.reshape((b, h, dk, dv))?.to_dtype(DType::F32)?))
 }
 
 #[cfg(test)]
@@ -139,6 +199,7 @@ mod tests {
         v: Tensor,
         beta: Tensor,
         g: Tensor,
+        gk: Tensor,
         s0: Tensor,
     }
 
@@ -154,6 +215,7 @@ mod tests {
             v: rand(&[b, t, h, dv], &mut rng, -2.0, 2.0),
             beta: rand(&[b, t, h], &mut rng, 0.05, 0.95),
             g: rand(&[b, t, h], &mut rng, -0.4, 0.0),
+            gk: rand(&[b, t, h, dk], &mut rng, -2.0, 0.0),
             s0: rand(&[b, h, dk, dv], &mut rng, -1.0, 1.0),
         }
     }
@@ -170,7 +232,7 @@ mod tests {
         for t in [1, 5, 64, 70, 130] {
             let x = inputs(t, t as u64);
             for rule in [Rule::Delta, Rule::Plain] {
-                for gated in [true, false] {
+                for (gated, channels) in [(true, false), (false, false), (true, true), (false, true)] {
                     for init in [false, true] {
                         let rec = Recurrence {
                             q: &x.q,
@@ -178,14 +240,14 @@ mod tests {
                             v: &x.v,
                             beta: &x.beta,
                             g: gated.then_some(&x.g),
-                            gk: None,
+                            gk: channels.then_some(&x.gk),
                             scale: 0.7,
                             rule,
                             initial: init.then_some(&x.s0),
                         };
                         let (o, s) = forward(&rec).unwrap();
                         let (o2, s2) = rec.sequential_with_state().unwrap();
-                        let what = format!("T {t} {rule:?} gated {gated} initial {init}");
+                        let what = format!("T {t} {rule:?} gated {gated} per-channel {channels} initial {init}");
                         assert_eq!(o.dims(), o2.dims(), "{what}");
                         assert!(rel_err(&o, &o2) < 1e-5, "{what}: outputs differ by {}", rel_err(&o, &o2));
                         assert!(rel_err(&s, &s2) < 1e-5, "{what}: states differ by {}", rel_err(&s, &s2));
@@ -199,9 +261,9 @@ mod tests {
     fn gradients_match_sequential_backward() {
         let x = inputs(70, 11);
         let w = rand(&[2, 70, 3, 5], &mut StdRng::seed_from_u64(5), -1.0, 1.0);
-        for rule in [Rule::Delta, Rule::Plain] {
+        for (rule, channels) in [(Rule::Delta, false), (Rule::Plain, false), (Rule::Delta, true), (Rule::Plain, true)] {
             let vars: Vec<Var> =
-                [&x.q, &x.k, &x.v, &x.beta, &x.g].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                [&x.q, &x.k, &x.v, &x.beta, &x.g, &x.gk].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
             let grads = |chunked: bool| -> Vec<Tensor> {
                 let rec = Recurrence {
                     q: vars[0].as_tensor(),
@@ -209,19 +271,21 @@ mod tests {
                     v: vars[2].as_tensor(),
                     beta: vars[3].as_tensor(),
                     g: Some(vars[4].as_tensor()),
-                    gk: None,
+                    gk: channels.then(|| vars[5].as_tensor()),
                     scale: 0.7,
                     rule,
                     initial: None,
                 };
                 let o = if chunked { forward(&rec).unwrap().0 } else { rec.forward_sequential().unwrap() };
                 let store = (o * &w).unwrap().sum_all().unwrap().backward().unwrap();
-                vars.iter().map(|v| store.get(v.as_tensor()).unwrap().clone()).collect()
+                vars.iter().filter_map(|v| store.get(v.as_tensor()).cloned()).collect()
             };
             let (a, b) = (grads(true), grads(false));
-            for (i, name) in ["q", "k", "v", "beta", "g"].iter().enumerate() {
+            let names: &[&str] =
+                if channels { &["q", "k", "v", "beta", "g", "gk"] } else { &["q", "k", "v", "beta", "g"] };
+            for (i, name) in names.iter().enumerate() {
                 let e = rel_err(&a[i], &b[i]);
-                assert!(e < 1e-4, "{rule:?}: d{name} differs by {e}");
+                assert!(e < 1e-4, "{rule:?} per-channel {channels}: d{name} differs by {e}");
             }
         }
     }

@@ -486,11 +486,10 @@ impl Kernel {
             Kernel::Fused
         });
         match choice {
-            Kernel::Chunked if !super::chunked::supports(rec) => Kernel::Sequential,
             // The fused op has no backward: a tracked input needs one of the other two; its CUDA
             // kernel keeps at most 32 x 32 key rows of a state column in registers.
             Kernel::Fused if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
-                if super::chunked::supports(rec) && !rec.q.device().is_cpu() {
+                if !rec.q.device().is_cpu() {
                     Kernel::Chunked
                 } else {
                     Kernel::Sequential

@@ -33,6 +33,8 @@ fn edited_keys(model_type: &str) -> &'static [&'static str] {
         "delta_net" => &["expand_k"],
         "gated_deltanet" => &["head_dim", "expand_v"],
         "mamba2" => &["state_size"],
+        "nemotron_h" => &["ssm_state_size"],
+        "granitemoehybrid" | "falcon_h1" => &["mamba_d_state"],
         _ => &["linear_key_head_dim"],
     }
 }

@@ -92,7 +92,7 @@ impl<M: TokenMixer + 'static> Layers for FlaLayers<M> {
             _ if s.tie_word_embeddings => Linear::new(self.embed()?.embeddings().clone(), None),
             _ => linear_no_bias(s.hidden, s.vocab, self.vb.pp("lm_head"))?,
         };
-        Ok(Head { norm: self.norm(self.vb.pp("model.norm"))?, lm_head })
+        Ok(Head::new(self.norm(self.vb.pp("model.norm"))?, lm_head))
     }
 
     fn block_prefix(&self, i: usize) -> String {

@@ -4,7 +4,9 @@
 //! (`d_model`, `n_layer`, `ssm_cfg{d_state, headdim, ngroups, ...}` with the defaults of
 //! `mamba_ssm/modules/mamba2.py`). The format is told apart by the config keys.
 
-use anyhow::{bail, Context, Result};
+use crate::arch::keys::{bool_of, usize_of};
+use crate::layers::mamba2::{Mamba2Dims, OutputNorm};
+use anyhow::{bail, Result};
 use serde_json::Value;
 
 /// Which library wrote the checkpoint.
@@ -60,14 +62,39 @@ pub struct Mamba2Config {
 }
 
 impl Mamba2Config {
+    /// The mixer's sizes for the shared Mamba-2 layer.
+    pub fn dims(&self) -> Mamba2Dims {
+        Mamba2Dims {
+            hidden: self.hidden,
+            heads: self.heads,
+            head_dim: self.head_dim,
+            state: self.state,
+            groups: self.groups,
+            d_inner: self.d_inner,
+            conv_kernel: self.conv_kernel,
+            conv_bias: self.conv_bias,
+            in_bias: self.bias,
+            out_bias: self.bias,
+            eps: self.eps,
+            dt_limit: self.dt_limit,
+            norm: if self.rmsnorm {
+                OutputNorm::Gated { groups: self.groups, before_gate: self.norm_before_gate }
+            } else {
+                OutputNorm::None
+            },
+            in_scale: 1.0,
+            segment_scales: [1.0; 5],
+        }
+    }
+
     /// The `in_proj` output width: [z | x | B | C | dt].
     pub fn in_proj_dim(&self) -> usize {
-        2 * self.d_inner + 2 * self.groups * self.state + self.heads
+        self.dims().in_proj_dim()
     }
 
     /// Channels of the short conv: [x | B | C].
     pub fn conv_dim(&self) -> usize {
-        self.d_inner + 2 * self.groups * self.state
+        self.dims().conv_dim()
     }
 
     pub fn from_value(config: &Value) -> Result<Self> {
@@ -158,17 +185,6 @@ impl Mamba2Config {
     }
 }
 
-fn usize_of(c: &Value, key: &str, default: Option<usize>) -> Result<usize> {
-    match c.get(key) {
-        Some(v) => v.as_u64().map(|v| v as usize).with_context(|| format!("config key {key} is not an integer: {v}")),
-        None => default.with_context(|| format!("config.json has no {key}")),
-    }
-}
-
-fn bool_of(c: &Value, key: &str, default: bool) -> bool {
-    c.get(key).and_then(Value::as_bool).unwrap_or(default)
-}
-
 /// A float that Python may have written as `Infinity`, `"inf"` or `{"__float__": "Infinity"}`.
 pub fn float_of(v: &Value) -> Option<f64> {
     match v {
@@ -185,7 +201,7 @@ pub fn float_of(v: &Value) -> Option<f64> {
 }
 
 /// `time_step_limit` / `dt_limit`: a pair, default (0, inf).
-fn limit(v: Option<&Value>) -> Result<(f64, f64)> {
+pub(crate) fn limit(v: Option<&Value>) -> Result<(f64, f64)> {
     match v {
         None | Some(Value::Null) => Ok((0.0, f64::INFINITY)),
         Some(Value::Array(a)) if a.len() == 2 => match (float_of(&a[0]), float_of(&a[1])) {

@@ -8,11 +8,14 @@
 mod config;
 mod model;
 
-use super::{Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+#[cfg(test)]
+use super::SliceRole;
+use super::{Family, LayerState, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+pub(crate) use config::limit;
 pub use config::{float_of, Format, Mamba2Config};
 pub use model::Mamba2Layers;
 
@@ -24,26 +27,15 @@ fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
 /// Layout of a Mamba-2 model (FORMATS.md §2a pruning recipe): B and C rows of `in_proj` and
 /// channels of `conv1d`, each group owning N consecutive rows.
 pub fn layout_of(cfg: &Mamba2Config, has_conv_bias: impl Fn(&str) -> bool) -> StateLayout {
-    let (i, gn, n) = (cfg.d_inner, cfg.groups * cfg.state, cfg.state);
+    let dims = cfg.dims();
     let layers = (0..cfg.layers)
         .map(|l| {
             let p = format!("backbone.layers.{l}.mixer.");
-            let slice = |t: String, offset, role| RowSlice { tensor: t, offset, head_stride: n, role };
-            let mut slices = vec![
-                slice(format!("{p}in_proj.weight"), 2 * i, SliceRole::KeyProj),
-                slice(format!("{p}in_proj.weight"), 2 * i + gn, SliceRole::QueryProj),
-                slice(format!("{p}conv1d.weight"), i, SliceRole::Conv),
-                slice(format!("{p}conv1d.weight"), i + gn, SliceRole::Conv),
-            ];
-            let bias = format!("{p}conv1d.bias");
-            if has_conv_bias(&bias) {
-                slices.push(slice(bias.clone(), i, SliceRole::Conv));
-                slices.push(slice(bias, i + gn, SliceRole::Conv));
-            }
+            let slices = dims.slices(&p, has_conv_bias(&format!("{p}conv1d.bias")));
             LayerState { layer: l, key_heads: cfg.groups, value_heads: cfg.heads, dv: cfg.head_dim, slices }
         })
         .collect();
-    StateLayout { family: "Mamba2".into(), dk: n, layers, num_layers: cfg.layers }
+    StateLayout { family: "Mamba2".into(), dk: cfg.state, layers, num_layers: cfg.layers }
 }
 
 pub struct Mamba2Family;

@@ -244,6 +244,31 @@ impl TextConfig {
         self.layer_types().get(layer).is_some_and(|t| t == "linear_attention")
     }
 
+    /// The gated full-attention layers as the shared attention layer: per-head [q | gate]
+    /// rows, (1+w) q/k norms, partial rotary in the activations' dtype with `inv_freq` rounded
+    /// to `inv_freq_dtype`.
+    pub fn attention_spec(&self, inv_freq_dtype: candle_core::DType) -> crate::layers::attention::AttentionSpec {
+        let hd = self.head_dim();
+        crate::layers::attention::AttentionSpec {
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: hd,
+            qkv_bias: self.attention_bias,
+            o_bias: self.attention_bias,
+            qk_norm: Some((crate::ops::norm::NormWeight::OnePlus, self.rms_norm_eps)),
+            output_gate: self.attn_output_gate,
+            rope: Some(crate::layers::attention::Rope {
+                dim: self.rotary_dim(),
+                theta: self.rope_theta(),
+                inv_freq_dtype,
+                f32_rotation: false,
+            }),
+            scale: (hd as f64).powf(-0.5),
+            window: None,
+        }
+    }
+
     pub fn head_dim(&self) -> usize {
         // transformers default for both Qwen3.5 and Qwen3-Next
         self.head_dim.unwrap_or(256)

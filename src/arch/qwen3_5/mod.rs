@@ -6,7 +6,6 @@
 //! `modular_qwen3_next.py`. Only the linear-attention layers have a recurrent state;
 //! full-attention layers, experts, `model.visual.*` and `mtp.*` are left alone.
 
-mod attention;
 mod config;
 mod gdn;
 mod model;

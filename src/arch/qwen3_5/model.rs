@@ -1,13 +1,12 @@
 //! Candle forward of Qwen3.5 / Qwen3-Next causal LMs: pre-norm decoder layers mixing Gated
 //! DeltaNet and gated full attention, (1+w) RMSNorms, SwiGLU or MoE MLPs.
 
-use super::attention::Attention;
 use super::config::{tied, TextConfig, Variant};
 use super::gdn::GatedDeltaNet;
-use super::moe::SparseMoe;
 use crate::arch::layered::{self, Head, Layers};
 use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
+use crate::layers::attention::Attention;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::profile::mark;
@@ -22,7 +21,7 @@ enum Mixer {
 
 enum Mlp {
     Dense(SwiGlu),
-    Moe(SparseMoe),
+    Moe(crate::layers::moe::Moe),
 }
 
 struct Layer {
@@ -105,10 +104,13 @@ impl Layers for Qwen35Layers {
         let mixer = if c.is_linear(i) {
             Mixer::Linear(GatedDeltaNet::load(l.pp("linear_attn"), c, variant.fused(), i, self.grad, vars)?)
         } else {
-            Mixer::Full(Attention::load(l.pp("self_attn"), c, self.variant.inv_freq_dtype(self.stored))?)
+            Mixer::Full(Attention::load(
+                l.pp("self_attn"),
+                &c.attention_spec(self.variant.inv_freq_dtype(self.stored)),
+            )?)
         };
         let mlp = match c.moe(variant, i) {
-            Some(moe) => Mlp::Moe(SparseMoe::load(l.pp("mlp"), hid, moe)?),
+            Some(moe) => Mlp::Moe(super::moe::load(l.pp("mlp"), hid, moe)?),
             None => Mlp::Dense(SwiGlu::load(l.pp("mlp"), hid, c.intermediate_size)?),
         };
         Ok(Box::new(Layer {
@@ -127,7 +129,7 @@ impl Layers for Qwen35Layers {
             None => self.embed()?.embeddings().clone(),
         };
         let norm = RmsNorm::load(m.pp("norm"), c.hidden_size, c.rms_norm_eps, NormWeight::OnePlus)?;
-        Ok(Head { norm, lm_head: Linear::new(lm_head, None) })
+        Ok(Head::new(norm, Linear::new(lm_head, None)))
     }
 
     fn block_prefix(&self, i: usize) -> String {

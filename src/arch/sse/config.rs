@@ -88,6 +88,27 @@ pub struct AttnConfig {
     pub rope_theta: f64,
 }
 
+impl AttnConfig {
+    /// The shared attention layer for a model of width `hidden` (fla `Attention`: whole-head
+    /// rotary in float32, plain q/k norms, no output bias).
+    pub fn spec(&self, hidden: usize, eps: f64) -> crate::layers::attention::AttentionSpec {
+        let hd = hidden / self.num_heads;
+        crate::layers::attention::AttentionSpec {
+            hidden,
+            heads: self.num_heads,
+            kv_heads: self.num_kv_heads.unwrap_or(self.num_heads),
+            head_dim: hd,
+            qkv_bias: self.qkv_bias,
+            o_bias: false,
+            qk_norm: self.qk_norm.then_some((crate::ops::norm::NormWeight::Plain, eps)),
+            output_gate: false,
+            rope: Some(crate::layers::attention::Rope::full(hd, self.rope_theta)),
+            scale: (hd as f64).powf(-0.5),
+            window: self.window_size,
+        }
+    }
+}
+
 /// How the layer combines its N+1 partitions (all three compute the same function).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Implementation {

@@ -11,7 +11,6 @@
 //! shared path's short convs: pruning keeps the same index set in all of them, for every
 //! partition at once.
 
-mod attention;
 mod config;
 mod mixer;
 mod model;

@@ -1,12 +1,12 @@
 //! SSE causal LMs: fla's block stack (`fla::stack`) around the SSE layers of `mixer` and, in
 //! hybrids, softmax attention.
 
-use super::attention::Attention;
 use super::config::{Implementation, SseConfig};
 use super::mixer::Mixer;
 use crate::arch::fla::stack::{FlaLayers, FlaStack, StackShape, TokenMixer};
 use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
+use crate::layers::attention::Attention;
 use anyhow::Result;
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -52,7 +52,7 @@ impl FlaStack<Layer> {
         let grad = opts.grad;
         Ok(FlaStack::layers(vb, shape, opts, move |vb, i, vars| {
             Ok(match attn.as_ref().filter(|a| a.layers.contains(&i)) {
-                Some(a) => Layer::Attention(Attention::load(vb, a, d.hidden, cfg.norm_eps)?),
+                Some(a) => Layer::Attention(Attention::load(vb, &a.spec(d.hidden, cfg.norm_eps))?),
                 None => Layer::Sse(Box::new(Mixer::load(vb, &cfg, d, i, grad, vars)?), imp),
             })
         }))

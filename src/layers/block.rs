@@ -1,0 +1,103 @@
+//! One decoder layer as a list of residual steps `h = h + scale · sublayer(norm(h))`: two steps
+//! (mixer, then MLP or MoE) in most families, one in Nemotron-H, where every layer is a single
+//! mixer or MLP, and a step of side-by-side mixers in Falcon-H1.
+
+use super::attention::Attention;
+use super::kda::Kda;
+use super::mamba2::Mamba2Mixer;
+use super::mla::Mla;
+use super::mlp::Mlp;
+use super::moe::Moe;
+use crate::arch::layered;
+use crate::arch::{LayerCache, Observer};
+use crate::ops::norm::RmsNorm;
+use crate::profile::mark;
+use anyhow::Result;
+use candle_core::Tensor;
+
+/// What one residual step runs.
+pub enum Sublayer {
+    Mamba2(Mamba2Mixer),
+    Attention(Attention),
+    Kda(Kda),
+    Mla(Mla),
+    Mlp(Mlp),
+    Moe(Moe),
+    /// Branches on the same normed input, each as (sublayer, input scale, output scale), summed.
+    Parallel(Vec<(Sublayer, f64, f64)>),
+}
+
+impl Sublayer {
+    /// Token mixers read and update `cache`; feed-forward sublayers ignore it.
+    pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        match self {
+            Sublayer::Mamba2(m) => m.forward(x, obs, cache),
+            Sublayer::Attention(a) => a.forward(x, cache),
+            Sublayer::Kda(m) => m.forward(x, obs, cache),
+            Sublayer::Mla(m) => m.forward(x, cache),
+            Sublayer::Mlp(m) => m.forward(x),
+            Sublayer::Moe(m) => m.forward(x),
+            Sublayer::Parallel(branches) => {
+                let mut caches = match cache {
+                    Some(c) => {
+                        if !matches!(c, LayerCache::Parallel(_)) {
+                            *c = LayerCache::Parallel(vec![LayerCache::Empty; branches.len()]);
+                        }
+                        match c {
+                            LayerCache::Parallel(v) => Some(v),
+                            _ => unreachable!("set just above"),
+                        }
+                    }
+                    None => None,
+                };
+                let mut sum: Option<Tensor> = None;
+                for (i, (b, in_scale, out_scale)) in branches.iter().enumerate() {
+                    let xi = if *in_scale != 1.0 { (x * *in_scale)? } else { x.clone() };
+                    let y = b.forward(&xi, obs, caches.as_deref_mut().map(|c| &mut c[i]))?;
+                    let y = if *out_scale != 1.0 { (y * *out_scale)? } else { y };
+                    sum = Some(match sum {
+                        Some(s) => (s + y)?,
+                        None => y,
+                    });
+                }
+                sum.ok_or_else(|| anyhow::anyhow!("a parallel step with no branches"))
+            }
+        }
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Sublayer::Mlp(_) | Sublayer::Moe(_) => "mlp",
+            _ => "mixer output",
+        }
+    }
+}
+
+/// `h + scale · sublayer(norm(h))`
+pub struct Step {
+    pub norm: RmsNorm,
+    pub sublayer: Sublayer,
+    /// muP residual multiplier (Granite); 1 elsewhere.
+    pub scale: f64,
+}
+
+/// A decoder layer: its steps in order.
+pub struct Layer {
+    pub steps: Vec<Step>,
+}
+
+impl layered::Block for Layer {
+    fn forward(&self, h: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        let dev = h.device();
+        let mut h = h.clone();
+        for s in &self.steps {
+            let x = s.norm.forward(&h)?;
+            mark("norm", dev);
+            let y = s.sublayer.forward(&x, obs, cache.as_deref_mut())?;
+            let y = if s.scale != 1.0 { (y * s.scale)? } else { y };
+            h = (h + y)?;
+            mark(s.sublayer.label(), dev);
+        }
+        Ok(h)
+    }
+}

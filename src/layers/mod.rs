@@ -1,0 +1,12 @@
+//! The layer library: each kind of layer written once, parameterised by the tensor layouts and
+//! switches of the families that use it. Families (`crate::arch`) keep their configs, tensor
+//! names and wiring, and build their layers from these parts.
+
+pub mod attention;
+pub mod block;
+pub mod kda;
+pub mod mamba2;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+pub mod stack;
