@@ -1,10 +1,12 @@
 //! `statecut sweep` end to end: a cell's perplexity equals a separate `prune` + `eval` run, the
 //! grid resumes from saved cells, bad grids fail with one line, and an unmeetable budget
-//! recommends none. Recall tasks (`eval --task`) run on every family.
+//! recommends none; `--write` writes a cell's checkpoint as `prune` would. Recall tasks
+//! (`eval --task`) run on every family.
 
 mod common;
 
-use common::{model_dir, shared, statecut};
+use common::{embedded_model, model_dir, pruned, repo_file, shared, statecut};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 fn json(path: &Path) -> serde_json::Value {
@@ -90,6 +92,105 @@ fn sweep_cell_matches_prune_then_eval() {
     let (code, _, stderr) = statecut(&other, &[]);
     assert_eq!(code, 1);
     assert!(stderr.contains("holds a sweep with other settings"), "{stderr}");
+}
+
+/// Every file under `dir`, by its path relative to `dir`, with its bytes.
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                out.insert(s(p.strip_prefix(root).unwrap()), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// `sweep --write` on the shipped model (no reference data needed): the cell's checkpoint under
+/// `out/models/<method>-<ratio>` reloads with the perplexity the cell reports, its config has
+/// the pruned key width, the tensors it does not slice are byte-identical to the input, the
+/// sliced ones keep input rows in order, and the input directory is not touched.
+#[test]
+fn sweep_write_checkpoint_reloads_with_the_cells_perplexity() {
+    let model_path = embedded_model();
+    let model = s(&model_path);
+    let before = snapshot(&model_path);
+    let input = pruned::Input::open(&model_path);
+    assert_eq!(input.layout.dk, 64);
+    let eval = s(&repo_file("assets/eval.txt"));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("sweep");
+    let o = s(&out);
+    #[rustfmt::skip]
+    let args = [
+        "sweep", "-m", &model, "--methods", "drrqr", "--ratios", "0.5", "--nsamples", "2", "--seqlen", "256",
+        "--eval", &eval, "--eval-windows", "2", "--eval-seqlen", "256", "--write", "-o", &o, "-q",
+    ];
+    let (code, stdout, stderr) = statecut(&args, &[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains("cells"), "{stdout}");
+    let report = json(&out.join("sweep.json"));
+    let cells = report["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 1);
+    let cell = &cells[0];
+    assert_eq!(cell["method"], "drrqr");
+    assert_eq!(cell["ratio"], 0.5);
+    assert_eq!(cell["dk"], 32);
+    let sweep_ppl = cell["ppl"][0].as_f64().unwrap();
+    let unpruned = report["unpruned"]["ppl"][0].as_f64().unwrap();
+    assert!(sweep_ppl.is_finite() && sweep_ppl > unpruned, "pruned {sweep_ppl} vs unpruned {unpruned}");
+
+    let written = out.join("models/drrqr-0.5");
+    assert!(written.join("statecut_recipe.toml").exists(), "no recipe in {}", written.display());
+    let (code, stdout, stderr) =
+        statecut(&["eval", "-m", &s(&written), "--data", &eval, "--windows", "2", "--seqlen", "256", "--json"], &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let reloaded = serde_json::from_str::<serde_json::Value>(&stdout).unwrap()["ppl"].as_f64().unwrap();
+    assert!((reloaded - sweep_ppl).abs() <= 1e-6 * sweep_ppl, "written {reloaded} vs sweep cell {sweep_ppl}");
+
+    // Config: the key width is the cell's, d_v is kept (fla: head_dim * expand_v), nothing else changes.
+    let cfg = pruned::read_json(&written.join("config.json"));
+    assert_eq!(cfg["head_dim"], 32);
+    assert_eq!(cfg["expand_v"].as_f64().unwrap() * 32.0, input.config["expand_v"].as_f64().unwrap() * 64.0);
+    for (k, v) in input.config.as_object().unwrap() {
+        if k != "head_dim" && k != "expand_v" {
+            assert_eq!(&cfg[k], v, "config key {k} changed");
+        }
+    }
+
+    // Tensors: those with no key/query rows are byte-identical; the sliced ones lose
+    // (64 - 32) rows per key head and slice, and keep the rest of the input rows, in order.
+    let mut sliced: BTreeMap<&str, usize> = BTreeMap::new();
+    for l in &input.layout.layers {
+        for sl in &l.slices {
+            *sliced.entry(sl.tensor.as_str()).or_default() += l.key_heads * (64 - 32);
+        }
+    }
+    assert!(!sliced.is_empty());
+    let output = pruned::tensors(&written);
+    assert_eq!(output.keys().collect::<Vec<_>>(), input.tensors.keys().collect::<Vec<_>>());
+    for (t, (shape, bytes)) in &output {
+        let (in_shape, in_bytes) = &input.tensors[t];
+        let Some(drop) = sliced.get(t.as_str()) else {
+            assert!(shape == in_shape && bytes == in_bytes, "{t} must be byte-identical");
+            continue;
+        };
+        assert_eq!((shape[0], &shape[1..]), (in_shape[0] - drop, &in_shape[1..]), "{t}");
+        let row = in_bytes.len() / in_shape[0];
+        let mut input_rows = in_bytes.chunks(row);
+        for r in bytes.chunks(row) {
+            assert!(input_rows.any(|x| x == r), "{t}: a row that is not an input row, or out of order");
+        }
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"] {
+        assert_eq!(std::fs::read(written.join(f)).unwrap(), before[f], "{f}");
+    }
+    assert!(snapshot(&model_path) == before, "the input checkpoint directory changed");
 }
 
 #[test]
