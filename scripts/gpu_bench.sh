@@ -25,6 +25,8 @@
 #                         the same channels
 #   streamonly:NAME       statecut prune layer-streamed (--offload) only, for checkpoints larger
 #                         than the GPU: wall time, peak GPU memory, per-stage seconds
+#   passkey:NAME          statecut eval --task passkey at 2K and 4K tokens, original vs pruned: accuracy
+#                         per depth, wall time, peak GPU memory
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
 # NSAMPLES sets the calibration sequences of the stream stages (default 128).
 set -u
@@ -77,7 +79,7 @@ for stage in "$@"; do
   name=${stage#*:}
   case $stage in
     statecut:*|reference:*|kernels:*|profile:*|stream:*|streamonly:*) ensure "$name" ;;
-    decode:*|bench:*|state:*) ensure "$name" pruned ;;
+    decode:*|bench:*|state:*|passkey:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -160,6 +162,12 @@ PY
       python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'seconds': r['seconds'], 'memory': r.get('memory'), 'layers': len(r['layers'])}))" \
         $CK/$name-streamed/statecut_report.json | tee "$OUT/streamonly_${name}_stages.json"
       rm -rf $CK/$name-streamed ;;
+    passkey:*)
+      for m in $name $name-statecut; do
+        peak "$OUT/passkey_$m.log" $SC eval -m $CK/$m --task passkey --lengths 2048,4096 --samples ${SAMPLES:-8} \
+          --filler "$DATA" --device cuda --dtype bf16 --json > "$OUT/passkey_$m.json"
+        echo "$m: $(cat "$OUT/passkey_$m.json")"; tail -3 "$OUT/passkey_$m.log"
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$OUT" .

@@ -3,29 +3,14 @@
 
 use super::config::Mamba2Config;
 use crate::arch::layered::{self, Head, Layers};
-use crate::arch::{LayerCache, LoadOptions, Observer};
+use crate::arch::LoadOptions;
 use crate::checkpoint::Checkpoint;
+use crate::layers::block::{Layer, Step, Sublayer};
 use crate::layers::mamba2::Mamba2Mixer;
 use crate::ops::norm::{NormWeight, RmsNorm};
-use crate::profile::mark;
 use anyhow::{Context, Result};
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Var};
 use candle_nn::{Embedding, Linear, VarBuilder};
-
-struct Block {
-    norm: RmsNorm,
-    mixer: Mamba2Mixer,
-}
-
-impl layered::Block for Block {
-    fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
-        let x = self.norm.forward(h)?;
-        mark("norm", h.device());
-        let h = (h + self.mixer.forward(&x, obs, cache)?)?;
-        mark("mixer output", h.device());
-        Ok(h)
-    }
-}
 
 /// The stages of a Mamba-2 causal LM.
 pub struct Mamba2Layers {
@@ -56,9 +41,19 @@ impl Layers for Mamba2Layers {
 
     fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn layered::Block>> {
         let (cfg, l) = (&self.cfg, self.vb.pp(format!("backbone.layers.{i}")));
-        Ok(Box::new(Block {
-            norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
-            mixer: Mamba2Mixer::load(l.pp("mixer"), &cfg.dims(), i, &self.ckpt, self.grad, vars)?,
+        Ok(Box::new(Layer {
+            steps: vec![Step {
+                norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,
+                sublayer: Sublayer::Mamba2(Mamba2Mixer::load(
+                    l.pp("mixer"),
+                    &cfg.dims(),
+                    i,
+                    &self.ckpt,
+                    self.grad,
+                    vars,
+                )?),
+                scale: 1.0,
+            }],
         }))
     }
 
