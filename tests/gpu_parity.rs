@@ -197,7 +197,8 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
     ];
     for (dk, dv) in shapes {
         for t in [1, 77] {
-            for decay in 0..3 {
+            // decay 0: none, 1: per step, 2: per step and per key channel, 3: per key channel only
+            for decay in 0..4 {
                 for rule in [Rule::Delta, Rule::Plain] {
                     let rand = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, &cpu).unwrap();
                     let k = rand(&[b, t, h, dk]);
@@ -216,8 +217,8 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                             k: &k,
                             v: &v,
                             beta: &beta,
-                            g: (decay >= 1).then_some(&g),
-                            gk: (decay == 2).then_some(&gk),
+                            g: (decay == 1 || decay == 2).then_some(&g),
+                            gk: (decay >= 2).then_some(&gk),
                             scale: 0.37,
                             rule,
                             initial: Some(&s0),
@@ -230,9 +231,13 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
                     let what = format!("dk {dk} dv {dv} T {t} decay {decay} {rule:?}");
                     assert!(eo < 1e-5 && es < 1e-5, "{what}: outputs differ by {eo:.3e}, state by {es:.3e}");
+                    // the chunked form (the Grad selector's) on the GPU, per-channel decays included
+                    let (o, s) = run(&gpu, Kernel::Chunked);
+                    let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
+                    assert!(eo < 1e-4 && es < 1e-4, "{what} chunked: outputs differ by {eo:.3e}, state by {es:.3e}");
                 }
             }
         }
-        eprintln!("recurrence dk {dk} dv {dv}: cuda kernel matches the cpu kernel");
+        eprintln!("recurrence dk {dk} dv {dv}: cuda fused and chunked forms match the cpu kernel");
     }
 }

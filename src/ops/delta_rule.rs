@@ -575,8 +575,12 @@ impl Recurrence<'_> {
             Some(s) => f(s)?,
             None => Tensor::zeros((b, h, op.dk, op.dv), DType::F32, dev)?,
         };
-        let fused =
-            FusedOp { beta: f(self.beta)?, g: self.g.map(f).transpose()?, gk: self.gk.map(f).transpose()?, s0, op };
+        // The kernels with a per-channel decay read the per-step one too: zeros stand in for it.
+        let g = match (self.g, self.gk) {
+            (None, Some(_)) => Some(Tensor::zeros(self.beta.shape(), DType::F32, dev)?),
+            (g, _) => g.map(f).transpose()?,
+        };
+        let fused = FusedOp { beta: f(self.beta)?, g, gk: self.gk.map(f).transpose()?, s0, op };
         let (q, k, v) = (f(self.q)?, f(self.k)?, f(self.v)?);
         crate::profile::mark("recurrence: inputs to float32", dev);
         let out = q.apply_op3_no_bwd(&k, &v, &fused)?;
