@@ -28,7 +28,8 @@ golden.safetensors holds transformers' float32 forward of the stored weights on 
 eval/wiki.jsonl: `input_ids` [1, 128], `hidden_states` [L + 1, 1, 128, H] as output_hidden_states returns
 them (entry 0 = the input of layer 0, i.e. the embeddings after any embedding multiplier; entry L = the output
 of the final norm, not the raw residual of the last layer), `logits` at positions `logit_positions` (every 8th),
-and `logits_decode`: the same positions computed one token at a time with use_cache=True. reference.json holds
+`logits_decode`: the same positions computed one token at a time with use_cache=True, and `logits_bf16`:
+transformers' bfloat16 forward at those positions (the scale of an acceptable bf16 error). reference.json holds
 the perplexity of the full forward on the 128 tokens (127 predictions) and the parity numbers.
 
     python3 scripts/make_hybrid_fixtures.py --shared ../shared --out tests/fixtures
@@ -273,10 +274,12 @@ def make(name, out, shared, seed):
     logits = o.logits.float()[:, pos].contiguous()
     decode_diff = (dec - logits).abs().max().item()
 
+    bf16 = cls.from_pretrained(out, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    logits_bf16 = full_forward(bf16, ids).logits.float()[:, pos].contiguous()
     hidden = torch.stack([h.float() for h in o.hidden_states]).contiguous()
     assert hidden.shape == (cfg.num_hidden_layers + 1, 1, SEQ, cfg.hidden_size), hidden.shape
     save_file({"input_ids": ids.to(torch.int64).contiguous(), "hidden_states": hidden, "logits": logits,
-               "logits_decode": dec, "logit_positions": pos.to(torch.int64)}, os.path.join(out, "golden.safetensors"))
+               "logits_decode": dec, "logits_bf16": logits_bf16, "logit_positions": pos.to(torch.int64)}, os.path.join(out, "golden.safetensors"))
     nll = torch.nn.functional.cross_entropy(o.logits[0, :-1].float(), ids[0, 1:]).item()
     probs = o.logits.float().softmax(-1)
     ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
@@ -285,7 +288,8 @@ def make(name, out, shared, seed):
     ref_json = {
         "arch": name, "class": cls_name, "params": params, "seed": seed, "tokens": SEQ, "predictions": SEQ - 1,
         "mean_nll": nll, "ppl": math.exp(nll), "logits_std": o.logits.std().item(), "mean_entropy_nats": ent,
-        "reload_max_abs_diff": reload_diff, "decode_vs_full_max_abs_diff": decode_diff,
+        "reload_max_abs_diff": reload_diff,
+        "bf16_logits_rel_err": ((logits_bf16 - logits).norm() / logits.norm()).item(), "decode_vs_full_max_abs_diff": decode_diff,
         "hidden_states_first": "input of layer 0 (embeddings after any embedding multiplier)",
         "hidden_states_last": "output of the final norm",
         "weights_dtype": "bfloat16", "golden_dtype": "float32",

@@ -1,7 +1,7 @@
 //! `bench`: prefill throughput and decode latency, optionally against a second (pruned) model,
 //! in the paper's Table 17 setting (decode after a 512-token prompt).
 
-use crate::arch::{CausalLm, DecodeCache, NoObserver};
+use crate::arch::{CausalLm, DecodeCache, LayerCache, NoObserver};
 use crate::cli::BenchArgs;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -18,6 +18,15 @@ pub struct BenchRow {
     pub decode_ms_per_token: Option<f64>,
     /// Elements of the recurrent/attention cache after the prompt.
     pub cache_elems: Option<usize>,
+    /// Bytes one decode step must move: every weight read once (all experts of an MoE, so an
+    /// upper bound there), and the cache: recurrent states and conv histories read and written,
+    /// attention keys and values read.
+    pub weight_bytes_per_step: u64,
+    pub cache_bytes_per_step: Option<u64>,
+    /// (weights + cache bytes) / decode step time.
+    pub decode_gb_per_s: Option<f64>,
+    /// `decode_gb_per_s` over the device's measured copy bandwidth (what a memory-bound step reaches).
+    pub bandwidth_fraction: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -28,6 +37,8 @@ pub struct BenchReport {
     pub prompt_len: usize,
     pub decode_steps: usize,
     pub iterations: usize,
+    /// Device-to-device copy bandwidth measured before the run (read + written bytes per second).
+    pub copy_gb_per_s: f64,
     pub rows: Vec<BenchRow>,
 }
 
@@ -46,10 +57,58 @@ fn random_ids(b: usize, t: usize, vocab: usize, dev: &Device, seed: u64) -> Resu
     Ok(Tensor::from_vec(ids, (b, t), dev)?)
 }
 
-/// A model under test with its vocabulary size.
+/// A model under test with its vocabulary size and the bytes of weights a decode step reads.
 pub struct Subject<'a> {
     pub model: &'a dyn CausalLm,
     pub vocab: usize,
+    pub weight_bytes: u64,
+}
+
+/// The weights a decode step reads, at `bytes_per_elem`: every stored tensor the forward uses
+/// except the embedding table, of which a step reads only its tokens' rows (unless the LM head
+/// is tied to it). Vision towers and MTP heads, which decoding does not run, are left out.
+pub fn decode_weight_bytes(ckpt: &crate::checkpoint::Checkpoint, bytes_per_elem: usize) -> u64 {
+    let tied = !ckpt.tensors.contains_key("lm_head.weight");
+    ckpt.tensors
+        .iter()
+        .filter(|(name, _)| {
+            let embedding =
+                ["embed_tokens.weight", "embeddings.weight", "embedding.weight"].iter().any(|e| name.ends_with(e));
+            let unused = name.starts_with("mtp.") || name.contains("visual.");
+            !unused && (tied || !embedding)
+        })
+        .map(|(_, t)| (t.shape.iter().product::<usize>() * bytes_per_elem) as u64)
+        .sum()
+}
+
+/// Bytes a decode step moves through `cache`: recurrent states and conv histories read and
+/// written, attention keys and values read.
+fn cache_bytes(cache: &DecodeCache) -> u64 {
+    fn layer(c: &LayerCache) -> u64 {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        match c {
+            LayerCache::Empty => 0,
+            LayerCache::Recurrent { conv, state } => 2 * (bytes(state) + conv.as_ref().map_or(0, bytes)),
+            LayerCache::Attention { k, v } => bytes(k) + bytes(v),
+            LayerCache::Parallel(branches) => branches.iter().map(layer).sum(),
+        }
+    }
+    cache.layers.iter().map(layer).sum()
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second) of a 256 MiB buffer.
+pub fn copy_bandwidth(dev: &Device) -> Result<f64> {
+    let n = 64 << 20;
+    let x = Tensor::zeros(n, candle_core::DType::F32, dev)?;
+    let _ = x.copy()?;
+    sync(dev)?;
+    let reps = 8;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        let _ = x.copy()?;
+    }
+    sync(dev)?;
+    Ok((2 * 4 * n * reps) as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Time every model at every batch size, one row list per model. The models take turns within
@@ -59,6 +118,7 @@ pub fn bench_models(
     subjects: &[Subject],
     args: &BenchArgs,
     batches: &[usize],
+    copy_bytes_per_s: f64,
     quiet: bool,
 ) -> Result<Vec<Vec<BenchRow>>> {
     let mut out: Vec<Vec<BenchRow>> = subjects.iter().map(|_| Vec::new()).collect();
@@ -109,11 +169,19 @@ pub fn bench_models(
             }
         }
         for k in 0..subjects.len() {
+            let ms = caches[k].as_ref().map(|_| median(std::mem::take(&mut decode[k])));
+            let cache = caches[k].as_ref().map(cache_bytes);
+            let moved = cache.map(|c| (c + subjects[k].weight_bytes) as f64);
+            let rate = moved.zip(ms).map(|(m, ms)| m / (ms / 1e3));
             let row = BenchRow {
                 batch: b,
                 prefill_tokens_per_s: (b * args.prompt_len) as f64 / median(std::mem::take(&mut prefill[k])),
-                decode_ms_per_token: caches[k].as_ref().map(|_| median(std::mem::take(&mut decode[k]))),
+                decode_ms_per_token: ms,
                 cache_elems: caches[k].as_ref().map(DecodeCache::elems),
+                weight_bytes_per_step: subjects[k].weight_bytes,
+                cache_bytes_per_step: cache,
+                decode_gb_per_s: rate.map(|r| r / 1e9),
+                bandwidth_fraction: rate.map(|r| r / copy_bytes_per_s),
             };
             if !quiet {
                 eprintln!(
@@ -147,11 +215,16 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
     }
     // Both models stay loaded so that they can take turns (see `bench_models`).
     let loaded = models.iter().map(|m| crate::commands::load(m, false, quiet)).collect::<Result<Vec<_>>>()?;
+    let elem = args.model.dtype.resolve(loaded[0].model.device()).size_in_bytes();
     let subjects = loaded
         .iter()
-        .map(|l| Ok(Subject { model: l.model.as_ref(), vocab: vocab_of(&l.ckpt.config)? }))
+        .map(|l| {
+            let weight_bytes = decode_weight_bytes(&l.ckpt, elem);
+            Ok(Subject { model: l.model.as_ref(), vocab: vocab_of(&l.ckpt.config)?, weight_bytes })
+        })
         .collect::<Result<Vec<_>>>()?;
-    let rows = bench_models(&subjects, args, batches, quiet)?;
+    let copy = copy_bandwidth(loaded[0].model.device())?;
+    let rows = bench_models(&subjects, args, batches, copy, quiet)?;
     for (m, rows) in models.iter().zip(rows) {
         reports.push(BenchReport {
             model: m.model.clone(),
@@ -160,6 +233,7 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
             prompt_len: args.prompt_len,
             decode_steps: args.decode_steps,
             iterations: args.iterations,
+            copy_gb_per_s: copy / 1e9,
             rows,
         });
     }
@@ -169,17 +243,25 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
     }
     for r in &reports {
         println!(
-            "{} on {} ({}), prompt {} tokens, median of {}",
-            r.model, r.device, r.dtype, r.prompt_len, r.iterations
+            "{} on {} ({}), prompt {} tokens, median of {}; copy bandwidth {:.0} GB/s",
+            r.model, r.device, r.dtype, r.prompt_len, r.iterations, r.copy_gb_per_s
         );
-        println!("{:>6} {:>14} {:>16} {:>12}", "batch", "prefill tok/s", "decode ms/token", "cache elems");
+        println!(
+            "{:>6} {:>14} {:>16} {:>12} {:>12} {:>12} {:>10} {:>10}",
+            "batch", "prefill tok/s", "decode ms/token", "decode tok/s", "weights MB", "cache MB", "GB/s", "of copy"
+        );
+        let na = || "n/a".to_string();
         for row in &r.rows {
             println!(
-                "{:>6} {:>14.0} {:>16} {:>12}",
+                "{:>6} {:>14.0} {:>16} {:>12} {:>12.1} {:>12} {:>10} {:>10}",
                 row.batch,
                 row.prefill_tokens_per_s,
-                row.decode_ms_per_token.map_or("n/a".into(), |d| format!("{d:.3}")),
-                row.cache_elems.map_or("n/a".into(), |e| e.to_string())
+                row.decode_ms_per_token.map_or_else(na, |d| format!("{d:.3}")),
+                row.decode_ms_per_token.map_or_else(na, |d| format!("{:.0}", row.batch as f64 * 1e3 / d)),
+                row.weight_bytes_per_step as f64 / 1e6,
+                row.cache_bytes_per_step.map_or_else(na, |c| format!("{:.1}", c as f64 / 1e6)),
+                row.decode_gb_per_s.map_or_else(na, |g| format!("{g:.0}")),
+                row.bandwidth_fraction.map_or_else(na, |f| format!("{:.1}%", 100.0 * f)),
             );
         }
     }

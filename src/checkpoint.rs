@@ -169,7 +169,7 @@ impl Checkpoint {
 
     /// The config.json value of `key` (top level, or under `text_config` for multimodal layouts).
     pub fn model_type(&self) -> Result<String> {
-        crate::arch::model_type(&self.config)
+        model_type(&self.config)
     }
 
     /// A view of the weights that reads each tensor with positioned reads when it is asked for
@@ -327,4 +327,17 @@ impl Checkpoint {
     pub fn num_params(&self) -> usize {
         self.tensors.values().map(|t| t.shape.iter().product::<usize>()).sum()
     }
+}
+
+/// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
+/// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).
+pub fn model_type(config: &Value) -> Result<String> {
+    if let Some(t) = config.get("model_type").and_then(Value::as_str) {
+        return Ok(t.to_string());
+    }
+    if let (Some(_), Some(ssm)) = (config.get("d_model"), config.get("ssm_cfg")) {
+        let mamba2 = ssm.get("layer").and_then(Value::as_str) == Some("Mamba2");
+        return Ok(if mamba2 { "mamba2" } else { "mamba" }.to_string());
+    }
+    bail!("config.json has no model_type")
 }

@@ -228,8 +228,9 @@ impl Observer for NoObserver {}
 pub enum LayerCache {
     #[default]
     Empty,
-    /// Short-conv histories (last K-1 inputs) and the recurrent state [B, H, dk, dv].
-    Recurrent { conv: Vec<Tensor>, state: Tensor },
+    /// The last K-1 inputs [B, K-1, C] of the layer's short conv (one depthwise conv over all
+    /// its channels; `None` without one) and the recurrent state [B, H, dk, dv].
+    Recurrent { conv: Option<Tensor>, state: Tensor },
     /// Keys and values of a softmax-attention layer [B, H, T, d].
     Attention { k: Tensor, v: Tensor },
     /// One cache per branch of a layer whose mixers run side by side (Falcon-H1).
@@ -240,9 +241,7 @@ impl LayerCache {
     fn elems(&self) -> usize {
         match self {
             LayerCache::Empty => 0,
-            LayerCache::Recurrent { conv, state } => {
-                state.elem_count() + conv.iter().map(Tensor::elem_count).sum::<usize>()
-            }
+            LayerCache::Recurrent { conv, state } => state.elem_count() + conv.as_ref().map_or(0, Tensor::elem_count),
             LayerCache::Attention { k, v } => k.elem_count() + v.elem_count(),
             LayerCache::Parallel(branches) => branches.iter().map(LayerCache::elems).sum(),
         }
@@ -280,7 +279,7 @@ pub fn run_recurrence(
     layer: usize,
     obs: &mut dyn Observer,
     cache: Option<&mut LayerCache>,
-    conv: Vec<Tensor>,
+    conv: Option<Tensor>,
 ) -> Result<Tensor> {
     if !obs.wants_state() && cache.is_none() {
         return rec.forward().map_err(Into::into);
@@ -381,19 +380,6 @@ static FAMILIES: &[&dyn Family] = &[
     &falcon_h1::FalconH1Family,
     &kimi_linear::KimiLinearFamily,
 ];
-
-/// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
-/// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).
-pub fn model_type(config: &Value) -> Result<String> {
-    if let Some(t) = config.get("model_type").and_then(Value::as_str) {
-        return Ok(t.to_string());
-    }
-    if let (Some(_), Some(ssm)) = (config.get("d_model"), config.get("ssm_cfg")) {
-        let mamba2 = ssm.get("layer").and_then(Value::as_str) == Some("Mamba2");
-        return Ok(if mamba2 { "mamba2" } else { "mamba" }.to_string());
-    }
-    bail!("config.json has no model_type")
-}
 
 /// The end of every causal LM: the final norm, whose output is hidden state `index` for the
 /// observer, then the LM head's logits, or that normed hidden state itself when the observer

@@ -3,7 +3,7 @@
 //! mixer or MLP, and a step of side-by-side mixers in Falcon-H1.
 
 use super::attention::Attention;
-use super::kda::Kda;
+use super::linear_attention::LinearAttention;
 use super::mamba2::Mamba2Mixer;
 use super::mla::Mla;
 use super::mlp::Mlp;
@@ -19,7 +19,8 @@ use candle_core::Tensor;
 pub enum Sublayer {
     Mamba2(Mamba2Mixer),
     Attention(Attention),
-    Kda(Kda),
+    /// delta-rule linear attention (KDA in the hybrids)
+    Linear(LinearAttention),
     Mla(Mla),
     Mlp(Mlp),
     Moe(Moe),
@@ -33,7 +34,7 @@ impl Sublayer {
         match self {
             Sublayer::Mamba2(m) => m.forward(x, obs, cache),
             Sublayer::Attention(a) => a.forward(x, cache),
-            Sublayer::Kda(m) => m.forward(x, obs, cache),
+            Sublayer::Linear(m) => m.forward(x, obs, cache),
             Sublayer::Mla(m) => m.forward(x, cache),
             Sublayer::Mlp(m) => m.forward(x),
             Sublayer::Moe(m) => m.forward(x),

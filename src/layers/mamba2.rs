@@ -214,7 +214,7 @@ impl Mamba2Mixer {
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let c = &self.dims;
         let (prev_conv, prev_state) = match cache.as_deref() {
-            Some(LayerCache::Recurrent { conv, state }) => (conv.first().cloned(), Some(state.clone())),
+            Some(LayerCache::Recurrent { conv, state }) => (conv.clone(), Some(state.clone())),
             _ => (None, None),
         };
         let (b, t, _) = x.dims3()?;
@@ -257,7 +257,7 @@ impl Mamba2Mixer {
             initial: prev_state.as_ref(),
         };
         mark("gates + l2 norms", dev);
-        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, vec![conv_state])?;
+        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))?;
         mark("recurrence", dev);
         let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
         let y = match &self.norm {

@@ -4,7 +4,7 @@
 
 pub mod attention;
 pub mod block;
-pub mod kda;
+pub mod linear_attention;
 pub mod mamba2;
 pub mod mla;
 pub mod mlp;

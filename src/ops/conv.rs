@@ -20,6 +20,18 @@ impl ShortConv {
         Ok(Self { weight: weight.reshape((c, k))?, bias })
     }
 
+    /// Several stored depthwise convs (`(name, channels)` under `vb`) as one over their
+    /// channels in order: a depthwise conv treats every channel alone, so this is exact.
+    pub fn concat(vb: &candle_nn::VarBuilder, parts: &[(&str, usize)], kernel: usize, bias: bool) -> Result<Self> {
+        let w = parts.iter().map(|(n, c)| vb.pp(*n).get((*c, 1, kernel), "weight")).collect::<Result<Vec<_>>>()?;
+        let b = if bias {
+            Some(Tensor::cat(&parts.iter().map(|(n, c)| vb.pp(*n).get(*c, "bias")).collect::<Result<Vec<_>>>()?, 0)?)
+        } else {
+            None
+        };
+        Self::new(Tensor::cat(&w, 0)?, b)
+    }
+
     pub fn load(vb: candle_nn::VarBuilder, channels: usize, kernel: usize, bias: bool) -> Result<Self> {
         let weight = vb.get((channels, 1, kernel), "weight")?;
         let bias = if bias { Some(vb.get(channels, "bias")?) } else { None };

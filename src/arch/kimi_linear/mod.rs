@@ -13,11 +13,12 @@ use super::layered::Layers;
 use super::{Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::block::{Layer, Step, Sublayer};
-use crate::layers::kda::{Kda, KdaDims};
+use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
 use crate::layers::mla::{Mla, MlaDims};
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
 use crate::layers::stack::{Stack, StackSpec};
+use crate::ops::conv::ShortConv;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
@@ -33,7 +34,8 @@ struct KimiConfig {
     hidden: usize,
     eps: f64,
     tie: bool,
-    kda_dims: KdaDims,
+    kda_dims: LinearDims,
+    conv_kernel: usize,
     mla: MlaDims,
     dense_layers: usize,
     intermediate: usize,
@@ -93,14 +95,11 @@ impl KimiConfig {
             hidden,
             eps,
             tie: bool_of(c, "tie_word_embeddings", false),
-            kda_dims: KdaDims {
-                hidden,
-                heads: usize_of(lin, "num_heads", None)?,
-                dk: head,
-                dv: head,
-                conv_kernel: usize_of(lin, "short_conv_kernel_size", Some(4))?,
-                eps,
+            kda_dims: {
+                let heads = usize_of(lin, "num_heads", None)?;
+                LinearDims { hidden, heads, v_heads: heads, dk: head, dv: head }
             },
+            conv_kernel: usize_of(lin, "short_conv_kernel_size", Some(4))?,
             mla: MlaDims {
                 hidden,
                 heads: usize_of(c, "num_attention_heads", None)?,
@@ -163,6 +162,49 @@ impl KimiConfig {
     }
 }
 
+/// A Kimi Delta Attention layer under `vb` (`…self_attn`): the delta rule with a per-key-channel
+/// decay from a low-rank projection and a sigmoid low-rank output gate.
+fn kda(
+    vb: VarBuilder,
+    c: &KimiConfig,
+    layer: usize,
+    grad: bool,
+    vars: &mut Vec<(String, candle_core::Var)>,
+) -> Result<LinearAttention> {
+    let d = c.kda_dims;
+    let (hk, hv) = (d.heads * d.dk, d.v_heads * d.dv);
+    let lin = |name: &str, i: usize, o: usize| linear_no_bias(i, o, vb.pp(name));
+    let f32 = DType::F32;
+    Ok(LinearAttention {
+        dims: d,
+        layer,
+        proj: Projections::Separate {
+            q: crate::arch::projection(&vb, "q_proj", hk, d.hidden, false, grad, vars)?,
+            k: crate::arch::projection(&vb, "k_proj", hk, d.hidden, false, grad, vars)?,
+            v: lin("v_proj", d.hidden, hv)?,
+            b: Some(lin("b_proj", d.hidden, d.v_heads)?),
+            a: None,
+            z: None,
+        },
+        conv: Some(ShortConv::concat(
+            &vb,
+            &[("q_conv1d", hk), ("k_conv1d", hk), ("v_conv1d", hv)],
+            c.conv_kernel,
+            false,
+        )?),
+        decay: Decay::PerChannel {
+            f_a: lin("f_a_proj", d.hidden, d.dv)?,
+            f_b: lin("f_b_proj", d.dv, hk)?,
+            neg_a: vb.get((1, 1, d.v_heads, 1), "A_log")?.to_dtype(f32)?.reshape((d.v_heads, 1))?.exp()?.neg()?,
+            dt_bias: vb.get_with_hints_dtype(hk, "dt_bias", Default::default(), f32)?,
+        },
+        gate: OutputGate::SigmoidLowRank { g_a: lin("g_a_proj", d.hidden, d.dv)?, g_b: lin("g_b_proj", d.dv, hv)? },
+        beta_scale: 1.0,
+        norm: RmsNorm::load(vb.pp("o_norm"), d.dv, c.eps, NormWeight::Plain)?,
+        o_proj: lin("o_proj", hv, d.hidden)?,
+    })
+}
+
 fn config(ckpt: &Checkpoint) -> Result<KimiConfig> {
     KimiConfig::from_value(&ckpt.config)
         .with_context(|| format!("{}/config.json does not match the Kimi Linear format", ckpt.dir.display()))
@@ -217,7 +259,7 @@ impl Family for KimiLinearFamily {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
             let a = l.pp("self_attn");
             let mixer = if c.kda[i] {
-                Sublayer::Kda(Kda::load(a, c.kda_dims, i, grad, vars)?)
+                Sublayer::Linear(kda(a, &c, i, grad, vars)?)
             } else {
                 Sublayer::Mla(Mla::load(a, c.mla)?)
             };

@@ -95,7 +95,7 @@ impl Family for Qwen35Family {
 
     fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {
         // linear_key_head_dim is independent of linear_value_head_dim: nothing else changes
-        let variant = Variant::of(&super::model_type(config)?)?;
+        let variant = Variant::of(&crate::checkpoint::model_type(config)?)?;
         variant.text_mut(config)?["linear_key_head_dim"] = Value::from(dk);
         Ok(())
     }

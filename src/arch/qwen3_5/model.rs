@@ -2,7 +2,6 @@
 //! DeltaNet and gated full attention, (1+w) RMSNorms, SwiGLU or MoE MLPs.
 
 use super::config::{tied, TextConfig, Variant};
-use super::gdn::GatedDeltaNet;
 use crate::arch::layered::{self, Head, Layers};
 use crate::arch::{LayerCache, LoadOptions, Observer};
 use crate::checkpoint::Checkpoint;
@@ -15,7 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Embedding, Linear, VarBuilder};
 
 enum Mixer {
-    Linear(GatedDeltaNet),
+    Linear(crate::layers::linear_attention::LinearAttention),
     Full(Attention),
 }
 
@@ -102,7 +101,7 @@ impl Layers for Qwen35Layers {
         let (hid, eps) = (c.hidden_size, c.rms_norm_eps);
         let l = self.vb.pp(self.variant.prefix()).pp(format!("layers.{i}"));
         let mixer = if c.is_linear(i) {
-            Mixer::Linear(GatedDeltaNet::load(l.pp("linear_attn"), c, variant.fused(), i, self.grad, vars)?)
+            Mixer::Linear(super::gdn::load(l.pp("linear_attn"), c, variant.fused(), i, self.grad, vars)?)
         } else {
             Mixer::Full(Attention::load(
                 l.pp("self_attn"),

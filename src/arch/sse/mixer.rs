@@ -72,7 +72,8 @@ pub struct Mixer {
     lora_k: LowRank,
     gates: Gates,
     e_proj: Linear,
-    convs: Option<[ShortConv; 2]>,
+    /// the shared q/k convs as one depthwise conv over [q | k]
+    conv: Option<ShortConv>,
     g_proj: Option<LowRank>,
     o_norm: RmsNorm,
     o_proj: Linear,
@@ -97,10 +98,9 @@ impl Mixer {
         vars: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
         let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.heads * d.dv);
-        let convs = if d.use_short_conv {
+        let conv = if d.use_short_conv {
             let bias = vb.contains_tensor("q_conv1d_shared.bias");
-            let c = |name: &str| ShortConv::load(vb.pp(name), kd, d.conv_size, bias);
-            Some([c("q_conv1d_shared")?, c("k_conv1d_shared")?])
+            Some(ShortConv::concat(&vb, &[("q_conv1d_shared", kd), ("k_conv1d_shared", kd)], d.conv_size, bias)?)
         } else {
             None
         };
@@ -127,7 +127,7 @@ impl Mixer {
             lora_k: LowRank::load(vb.pp("lora_k_proj"), hid, d.dv, kd, false)?,
             gates,
             e_proj: linear_no_bias(hid, d.partitions, vb.pp("e_proj"))?,
-            convs,
+            conv,
             g_proj: if d.use_output_gate { Some(LowRank::load(vb.pp("g_proj"), hid, d.dv, vd, false)?) } else { None },
             o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, cfg.norm_eps, NormWeight::Plain)?,
             o_proj: linear_no_bias(vd, hid, vb.pp("o_proj"))?,
@@ -147,8 +147,8 @@ impl Mixer {
         &self,
         x: &Tensor,
         obs: &mut dyn Observer,
-        prev_conv: Option<&[Tensor]>,
-    ) -> Result<(Features, Vec<Tensor>)> {
+        prev_conv: Option<&Tensor>,
+    ) -> Result<(Features, Option<Tensor>)> {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
         obs.qk_input(self.layer, x)?;
@@ -156,17 +156,13 @@ impl Mixer {
         let k1 = self.k_proj.forward(x)?;
         let q2 = (&q1 + self.lora_q.forward(x)?)?;
         let k2 = (&k1 + self.lora_k.forward(x)?)?;
-        let mut conv_states = Vec::new();
-        let (q1, k1) = match &self.convs {
-            Some(convs) => {
-                let mut run = |i: usize, y: &Tensor| -> Result<Tensor> {
-                    let (y, st) = convs[i].forward_cached(y, prev_conv.map(|p| &p[i]))?;
-                    conv_states.push(st);
-                    Ok(y)
-                };
-                (run(0, &q1)?, run(1, &k1)?)
+        let kd = d.heads * d.dk;
+        let (q1, k1, conv_state) = match &self.conv {
+            Some(conv) => {
+                let (y, st) = conv.forward_cached(&Tensor::cat(&[&q1, &k1], 2)?, prev_conv)?;
+                (y.narrow(2, 0, kd)?, y.narrow(2, kd, kd)?, Some(st))
             }
-            None => (q1, k1),
+            None => (q1, k1, None),
         };
         let heads = |y: Tensor, w: usize| y.reshape((b, t, d.heads, w));
         let (q1, q2) = (candle_nn::ops::silu(&heads(q1, d.dk)?)?, candle_nn::ops::silu(&heads(q2, d.dk)?)?);
@@ -223,7 +219,7 @@ impl Mixer {
         obs.routing(self.layer, &sel)?;
         obs.partition_keys(self.layer, [&k[0], &k[1]], [&g[0], &g[1]], &sel)?;
         let w = (e * &sel)?.to_dtype(dtype)?;
-        Ok((Features { q, k, v, g, beta, w, sel: sel.to_dtype(dtype)?, sel_host }, conv_states))
+        Ok((Features { q, k, v, g, beta, w, sel: sel.to_dtype(dtype)?, sel_host }, conv_state))
     }
 
     fn scale(&self) -> f64 {
@@ -391,10 +387,10 @@ impl Mixer {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
         let (prev_conv, prev_state) = match cache.as_deref() {
-            Some(LayerCache::Recurrent { conv, state }) => (Some(conv.as_slice()), Some(state)),
+            Some(LayerCache::Recurrent { conv, state }) => (conv.as_ref(), Some(state)),
             _ => (None, None),
         };
-        let (f, conv_states) = self.features(x, obs, prev_conv)?;
+        let (f, conv_state) = self.features(x, obs, prev_conv)?;
         let o = if obs.wants_state() || cache.is_some() {
             let (o, s) = self.mix_mask(&f, prev_state, true)?;
             let s = s.context("mask form returned no state")?;
@@ -410,7 +406,7 @@ impl Mixer {
                 obs.state(self.layer, &hm)?;
             }
             if let Some(c) = cache {
-                *c = LayerCache::Recurrent { conv: conv_states, state: s };
+                *c = LayerCache::Recurrent { conv: conv_state, state: s };
             }
             o
         } else {
