@@ -14,7 +14,7 @@ use candle_nn::VarBuilder;
 /// A block's token mixer: an SSE layer, or softmax attention in hybrids.
 pub enum Layer {
     Sse(Box<Mixer>, Implementation),
-    Attention(Attention),
+    Attention(Box<Attention>),
 }
 
 impl TokenMixer for Layer {
@@ -52,7 +52,7 @@ impl FlaStack<Layer> {
         let grad = opts.grad;
         Ok(FlaStack::layers(vb, shape, opts, move |vb, i, vars| {
             Ok(match attn.as_ref().filter(|a| a.layers.contains(&i)) {
-                Some(a) => Layer::Attention(Attention::load(vb, &a.spec(d.hidden, cfg.norm_eps))?),
+                Some(a) => Layer::Attention(Box::new(Attention::load(vb, &a.spec(d.hidden, cfg.norm_eps))?)),
                 None => Layer::Sse(Box::new(Mixer::load(vb, &cfg, d, i, grad, vars)?), imp),
             })
         }))
