@@ -191,6 +191,18 @@ fn sweep_write_checkpoint_reloads_with_the_cells_perplexity() {
         assert_eq!(std::fs::read(written.join(f)).unwrap(), before[f], "{f}");
     }
     assert!(snapshot(&model_path) == before, "the input checkpoint directory changed");
+
+    // A finished sweep resumed with --write writes the checkpoints it had not written.
+    std::fs::remove_dir_all(&written).unwrap();
+    let (code, _, stderr) = statecut(&args, &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let (code, stdout, stderr) =
+        statecut(&["eval", "-m", &s(&written), "--data", &eval, "--windows", "2", "--seqlen", "256", "--json"], &[]);
+    assert_eq!(code, 0, "{stderr}");
+    let again = serde_json::from_str::<serde_json::Value>(&stdout).unwrap()["ppl"].as_f64().unwrap();
+    assert_eq!(again, reloaded, "the rewritten checkpoint differs");
+    // The recommendation line of sweep.md is one paragraph (no line starting with "; recall").
+    assert!(!std::fs::read_to_string(out.join("sweep.md")).unwrap().contains("\n;"));
 }
 
 #[test]

@@ -215,7 +215,11 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
         .plans
         .keys()
         .copied()
-        .filter(|(mi, ri)| !cell_path(out, g.methods[*mi].name(), g.ratios[*ri].0).exists())
+        .filter(|(mi, ri)| {
+            let (m, r) = (g.methods[*mi].name(), g.ratios[*ri].0);
+            // with --write, a finished cell whose checkpoint is missing is done again
+            !cell_path(out, m, r).exists() || (a.write && !cell_model_dir(out, m, r).exists())
+        })
         .collect();
     let base_done = cell_path(out, "none", 0.0).exists();
     let n_todo = todo.len() + usize::from(!base_done);
@@ -415,9 +419,14 @@ impl Evaluator<'_> {
     }
 }
 
+/// Where `--write` puts the checkpoint of the cell (method, ratio).
+fn cell_model_dir(out: &Path, method: &str, ratio: f64) -> PathBuf {
+    out.join("models").join(format!("{method}-{ratio}"))
+}
+
 /// `--write`: the cell's pruned checkpoint under `out/models/`, written as `prune` writes it.
 fn write_cell(out: &Path, ckpt: &Checkpoint, rows: &RowMap, config: &serde_json::Value, plan: &Plan) -> Result<()> {
-    let target = out.join("models").join(format!("{}-{}", plan.method.name(), plan.ratio));
+    let target = cell_model_dir(out, plan.method.name(), plan.ratio);
     let staged = crate::surgery::Staged::new(&target, true, &ckpt.dir)?;
     crate::surgery::write_checkpoint(ckpt, rows, config, &staged.tmp)?;
     std::fs::write(staged.tmp.join("statecut_recipe.toml"), toml::to_string(&crate::prune::recipe_of(plan))?)?;

@@ -250,7 +250,7 @@ impl SweepReport {
         match &self.recommendation {
             Some(r) => {
                 let incr: Vec<String> = r.ppl_increase.iter().map(|x| pct(*x)).collect();
-                let _ = writeln!(
+                let _ = write!(
                     s,
                     "**{} at ratio {}** (d_k {} -> {}, state {:.1}% of the unpruned), the largest ratio within the budget: perplexity {}",
                     r.method,
@@ -261,10 +261,11 @@ impl SweepReport {
                     incr.join(", ")
                 );
                 if !r.recall_drop.is_empty() {
-                    let d: Vec<String> = r.recall_drop.iter().map(|x| pct(-*x)).collect();
-                    let _ = writeln!(s, "; recall {}", d.join(", "));
+                    // + 0.0: a drop of zero prints as 0.00%, not -0.00%
+                    let d: Vec<String> = r.recall_drop.iter().map(|x| pct(-*x + 0.0)).collect();
+                    let _ = write!(s, "; recall {}", d.join(", "));
                 }
-                let _ = writeln!(s, "\n```\n{}\n```\n", r.command);
+                let _ = writeln!(s, "\n\n```\n{}\n```\n", r.command);
             }
             None => {
                 let _ = writeln!(
