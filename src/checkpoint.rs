@@ -168,6 +168,15 @@ impl Checkpoint {
     }
 
     /// The config.json value of `key` (top level, or under `text_config` for multimodal layouts).
+    /// `hidden_size` at the top level or under `text_config` (multimodal wrappers).
+    pub fn hidden_size(&self) -> Option<usize> {
+        let c = &self.config;
+        c.get("hidden_size")
+            .or_else(|| c.pointer("/text_config/hidden_size"))
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+    }
+
     pub fn model_type(&self) -> Result<String> {
         model_type(&self.config)
     }

@@ -186,13 +186,11 @@ impl CalibArgs {
     }
 }
 
+/// `auto`, or a count within [`BATCH`] (the same range as every other batch size).
 fn batch_size(s: &str) -> Result<Auto, String> {
     match s {
         "auto" => Ok(Auto::Auto),
-        _ => match s.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(Auto::Count(n)),
-            _ => Err(format!("\"{s}\" is not a positive number or auto")),
-        },
+        _ => BATCH.parse(s).map(Auto::Count).map_err(|e| format!("{e} or auto")),
     }
 }
 

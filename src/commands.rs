@@ -25,12 +25,25 @@ pub fn load(args: &ModelArgs, grad: bool, quiet: bool) -> Result<Loaded> {
 
 /// [`load`], layer-streamed when `memory` asks for it or the weights do not fit the device.
 pub fn load_with(args: &ModelArgs, memory: &MemoryArgs, grad: bool, quiet: bool) -> Result<Loaded> {
-    let start = Instant::now();
     let dir = crate::hub::resolve_model(&args.model, &args.revision)?;
     let ckpt = Checkpoint::open(&dir)?;
     let family = family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
-    let tokenizer = TextTokenizer::load(&dir, args.tokenizer.as_deref(), &ckpt.config)?;
+    load_opened(ckpt, family, layout, args, memory, grad, quiet)
+}
+
+/// [`load_with`] for a checkpoint already opened and checked (its family and layout).
+pub fn load_opened(
+    ckpt: Checkpoint,
+    family: &'static dyn Family,
+    layout: StateLayout,
+    args: &ModelArgs,
+    memory: &MemoryArgs,
+    grad: bool,
+    quiet: bool,
+) -> Result<Loaded> {
+    let start = Instant::now();
+    let tokenizer = TextTokenizer::load(&ckpt.dir, args.tokenizer.as_deref(), &ckpt.config)?;
     let device = args.device.open()?;
     let dtype = args.dtype.resolve(&device);
     let (model, streamed) = open_model(&ckpt, family, &LoadOptions { dtype, device, grad }, memory)?;
@@ -184,13 +197,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         anyhow::bail!("{} already exists; remove it or choose another -o", args.output.display());
     }
     let m = load_with(&args.model, &args.memory, args.calib.grad, quiet)?;
-    let hidden = m
-        .ckpt
-        .config
-        .get("hidden_size")
-        .or_else(|| m.ckpt.config.pointer("/text_config/hidden_size"))
-        .and_then(|v| v.as_u64())
-        .unwrap_or(0) as usize;
+    let hidden = m.ckpt.hidden_size().unwrap_or(0);
     let settings = CalibSettings {
         nsamples: c.nsamples,
         seqlen: c.seqlen,

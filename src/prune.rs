@@ -134,185 +134,260 @@ fn ppl(model: &dyn crate::arch::CausalLm, wins: &[&[u32]], quiet: bool) -> Resul
     Ok(crate::eval::perplexity(model, wins, 1, quiet)?.ppl)
 }
 
+/// What a prune run works on, settled before any expensive step: the plan, the opened
+/// checkpoint and its layout, the kept width, the edited config and the staging directory.
+struct Job<'a> {
+    args: &'a PruneArgs,
+    plan: Plan,
+    ckpt: Checkpoint,
+    family: &'static dyn Family,
+    layout: StateLayout,
+    k: usize,
+    config: serde_json::Value,
+    model_type: String,
+    serving: crate::serving::Serving,
+    staged: Staged,
+    eval_src: Option<TextSource>,
+    calib_src: TextSource,
+    saved: Option<Calibration>,
+    calibrate_now: bool,
+}
+
 pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
-    let mut plan = Plan::resolve(args)?;
-    let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
-    let ckpt = Checkpoint::open(&dir)?;
-    let family: &dyn Family = crate::arch::family_for(&ckpt)?;
-    let layout = family.layout(&ckpt)?;
-    let k = plan.kept_width(layout.dk)?;
-    // The config edit first: a family that cannot express the new width says so before any work.
-    let mut config = ckpt.config.clone();
-    family.set_key_width(&mut config, &layout, k)?;
-    let model_type = ckpt.model_type()?;
-    let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
-    let staged = Staged::new(&args.output, args.overwrite, &dir)?;
-    let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
-    let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
-        Some(p) => {
-            let (cal, complete) = Calibration::load(&p, &layout)?;
-            if !complete {
-                bail!("{} is a partial calibration; finish it with `statecut calibrate --resume`", p.display());
-            }
-            if plan.method == Method::Grad && cal.grad_sum.is_empty() {
-                bail!("{} has no gradients; calibrate with --grad to use --method grad", p.display());
-            }
-            plan.adopt(&args.calib, &cal, quiet)?;
-            Some(cal)
-        }
-        None => None,
-    };
-    // Saved activations need the calibration text again only to count partition routing (the
-    // text they were made from may be gone otherwise).
-    let calib_src = match (&saved, args.prune_partitions) {
-        (Some(_), None) => TextSource::Builtin,
-        _ => TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?,
-    };
-    let calibrate_now = saved.is_none() && (plan.method.needs_activations() || plan.calib.source.is_some());
+    let job = Job::prepare(args, quiet)?;
     if args.dry_run {
+        job.print_plan();
+        return Ok(());
+    }
+    job.execute(quiet)
+}
+
+impl<'a> Job<'a> {
+    /// Every cheap check: the checkpoint opens and matches its config, the width is reachable
+    /// and expressible in the family's config, the output can be staged, the texts and saved
+    /// activations parse.
+    fn prepare(args: &'a PruneArgs, quiet: bool) -> Result<Self> {
+        let mut plan = Plan::resolve(args)?;
+        let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
+        let ckpt = Checkpoint::open(&dir)?;
+        let family: &'static dyn Family = crate::arch::family_for(&ckpt)?;
+        let layout = family.layout(&ckpt)?;
+        let k = plan.kept_width(layout.dk)?;
+        // The config edit first: a family that cannot express the new width says so before any work.
+        let mut config = ckpt.config.clone();
+        family.set_key_width(&mut config, &layout, k)?;
+        let model_type = ckpt.model_type()?;
+        let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
+        let staged = Staged::new(&args.output, args.overwrite, &dir)?;
+        let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
+        let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
+            Some(p) => {
+                let (cal, complete) = Calibration::load(&p, &layout)?;
+                if !complete {
+                    bail!("{} is a partial calibration; finish it with `statecut calibrate --resume`", p.display());
+                }
+                if plan.method == Method::Grad && cal.grad_sum.is_empty() {
+                    bail!("{} has no gradients; calibrate with --grad to use --method grad", p.display());
+                }
+                plan.adopt(&args.calib, &cal, quiet)?;
+                Some(cal)
+            }
+            None => None,
+        };
+        // Saved activations need the calibration text again only to count partition routing (the
+        // text they were made from may be gone otherwise).
+        let calib_src = match (&saved, args.prune_partitions) {
+            (Some(_), None) => TextSource::Builtin,
+            _ => TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?,
+        };
+        let calibrate_now = saved.is_none() && (plan.method.needs_activations() || plan.calib.source.is_some());
+        Ok(Self {
+            args,
+            plan,
+            ckpt,
+            family,
+            layout,
+            k,
+            config,
+            model_type,
+            serving,
+            staged,
+            eval_src,
+            calib_src,
+            saved,
+            calibrate_now,
+        })
+    }
+
+    fn print_plan(&self) {
+        let (l, p) = (&self.layout, &self.plan);
         println!(
-            "plan: {} d_k {} -> {k} with {} (ratio {}), {} layers; calibration: {}; output {}",
-            layout.family,
-            layout.dk,
-            plan.method.name(),
-            plan.ratio,
-            layout.layers.len(),
-            if saved.is_some() {
+            "plan: {} d_k {} -> {} with {} (ratio {}), {} layers; calibration: {}; output {}",
+            l.family,
+            l.dk,
+            self.k,
+            p.method.name(),
+            p.ratio,
+            l.layers.len(),
+            if self.saved.is_some() {
                 "saved activations"
-            } else if calibrate_now {
+            } else if self.calibrate_now {
                 "now"
             } else {
                 "none"
             },
-            args.output.display()
+            self.args.output.display()
         );
-        serving.lines().iter().for_each(|l| println!("{l}"));
-        return Ok(());
+        self.serving.lines().iter().for_each(|l| println!("{l}"));
     }
-    let mut clock = Clock::start();
-    let need_model = calibrate_now || eval_src.is_some() || args.prune_partitions.is_some();
-    let loaded = if need_model {
-        Some(crate::commands::load_with(
-            &args.model,
-            &args.memory,
-            calibrate_now && plan.method == Method::Grad,
-            quiet,
-        )?)
-    } else {
-        None
-    };
-    clock.lap("load");
-    let calibration = match (saved, &loaded) {
-        (Some(c), _) => Some(c),
-        (None, Some(m)) if calibrate_now => {
-            Some(calibrate(m, &plan.calib, plan.method == Method::Grad, &calib_src, args.calib.batch(), quiet)?)
-        }
-        _ => None,
-    };
-    clock.lap("calibrate");
-    let layers = select_all(&ckpt, &layout, &plan, k, calibration.as_ref(), quiet)?;
-    clock.lap("select");
-    let keep: KeepSets =
-        layers.iter().map(|l| (l.layer, l.heads.iter().map(|h| h.choice.kept.clone()).collect())).collect();
 
-    // Baseline perplexity, then the output is written, reloaded and evaluated before it is committed.
-    let eval_tokens = match (&eval_src, &loaded) {
-        (Some(src), Some(m)) => Some(m.tokenizer.stream(src.documents()?, plan.eval_windows * plan.eval_seqlen + 1)?),
-        _ => None,
-    };
-    let wins = eval_tokens.as_ref().map(|t| windows(t, plan.eval_seqlen, plan.eval_windows));
-    let before = match (&wins, &loaded) {
-        (Some(w), Some(m)) => Some(ppl(m.model.as_ref(), w, quiet)?),
-        _ => None,
-    };
-    let partitions = match (args.prune_partitions, &loaded) {
-        (Some(count), Some(m)) => {
-            let seqs =
-                crate::commands::sequences(&m.tokenizer, &calib_src, plan.calib.nsamples, plan.calib.seqlen, quiet)?;
-            Some(most_used_partitions(m.model.as_ref(), &seqs, count)?)
-        }
-        _ => None,
-    };
-    let mut streamed = loaded.as_ref().is_some_and(|m| m.streamed);
-    drop(loaded);
-    let mut rows = kept_rows(&ckpt, &layout, &keep)?;
-    if let Some(keep_parts) = &partitions {
-        rows.extend(family.keep_partitions(&mut config, keep_parts)?);
-    }
-    clock.lap("evaluate_before");
-    let stats = write_checkpoint(&ckpt, &rows, &config, &staged.tmp)?;
-    clock.lap("write");
-    let out_ckpt = Checkpoint::open(&staged.tmp)?;
-    let out_layout = family.layout(&out_ckpt).context("the pruned config does not parse")?;
-    if out_layout.dk != k || out_layout.layers.len() != layout.layers.len() {
-        bail!("internal error: the pruned config describes d_k {} (expected {k})", out_layout.dk);
-    }
-    let device = args.model.device.open()?;
-    let dtype = args.model.dtype.resolve(&device);
-    let opts = LoadOptions { dtype, device, grad: false };
-    let (reloaded, reload_streamed) = crate::commands::open_model(&out_ckpt, family, &opts, &args.memory)
-        .context("reloading the pruned checkpoint")?;
-    streamed |= reload_streamed;
-    let after = match &wins {
-        Some(w) => Some(ppl(reloaded.as_ref(), w, quiet)?),
-        None => None,
-    };
-    let checked: Vec<bool> = layers
-        .iter()
-        .flat_map(|l| l.heads.iter().filter_map(|h| h.choice.rrqr.as_ref().map(|r| r.bounds_hold)))
-        .collect();
-    let report = PruneReport {
-        tool: "statecut",
-        version: env!("CARGO_PKG_VERSION"),
-        model: args.model.model.clone(),
-        model_type,
-        family: layout.family.clone(),
-        output: args.output.display().to_string(),
-        plan: plan.clone(),
-        dk_before: layout.dk,
-        dk_after: k,
-        layers_pruned: layout.layers.len(),
-        key_heads_per_layer: layout.layers.first().map_or(0, |l| l.key_heads),
-        state_elems_before: layout.state_elems(layout.dk),
-        state_elems_after: out_layout.state_elems(k),
-        params_before: ckpt.num_params(),
-        params_after: stats.params,
-        seconds: clock.finish(),
-        calibration: calibration.as_ref().map(|c| CalibrationInfo {
-            source: c.settings.source.clone(),
-            sequences: c.sequences_done,
-            seqlen: c.settings.seqlen,
-            tokens: c.tokens,
-            rows_per_layer: c.settings.rows,
-        }),
-        ppl: match (before, after) {
-            (Some(b), Some(a)) => Some(Perplexity {
-                data: plan.eval.clone().unwrap_or_default(),
-                windows: wins.as_ref().map_or(0, Vec::len),
-                seqlen: plan.eval_seqlen,
-                before: b,
-                after: a,
-            }),
+    /// The stages in order: load, calibrate, select, evaluate the original, write, reload and
+    /// evaluate the output, report, commit.
+    fn execute(mut self, quiet: bool) -> Result<()> {
+        let args = self.args;
+        let mut clock = Clock::start();
+        let loaded = self.load(quiet)?;
+        clock.lap("load");
+        let calibration = self.calibrate(loaded.as_ref(), quiet)?;
+        clock.lap("calibrate");
+        let layers = select_all(&self.ckpt, &self.layout, &self.plan, self.k, calibration.as_ref(), quiet)?;
+        clock.lap("select");
+        let keep: KeepSets =
+            layers.iter().map(|l| (l.layer, l.heads.iter().map(|h| h.choice.kept.clone()).collect())).collect();
+
+        // Baseline perplexity on the original, then the output is written, reloaded and
+        // evaluated before it is committed.
+        let eval_tokens = match (&self.eval_src, &loaded) {
+            (Some(src), Some(m)) => {
+                Some(m.tokenizer.stream(src.documents()?, self.plan.eval_windows * self.plan.eval_seqlen + 1)?)
+            }
             _ => None,
-        },
-        serving,
-        rrqr_bounds_hold: (!checked.is_empty()).then(|| (checked.iter().filter(|b| **b).count(), checked.len())),
-        memory: {
-            let (peak_bytes, measured) = crate::stream::peak_memory(&opts.device);
-            MemoryInfo { streamed, peak_bytes, measured }
-        },
-        layers,
-    };
-    std::fs::write(staged.tmp.join("statecut_report.json"), serde_json::to_string_pretty(&report)? + "\n")?;
-    std::fs::write(staged.tmp.join("statecut_report.md"), report.markdown())?;
-    std::fs::write(staged.tmp.join("statecut_recipe.toml"), toml::to_string(&recipe_of(&plan))?)?;
-    staged.commit()?;
-    report.serving.lines().iter().for_each(|l| println!("{l}"));
-    println!("{}", report.summary());
-    if !quiet {
-        eprintln!("wrote {}", args.output.display());
+        };
+        let wins = eval_tokens.as_ref().map(|t| windows(t, self.plan.eval_seqlen, self.plan.eval_windows));
+        let before = match (&wins, &loaded) {
+            (Some(w), Some(m)) => Some(ppl(m.model.as_ref(), w, quiet)?),
+            _ => None,
+        };
+        let mut rows = kept_rows(&self.ckpt, &self.layout, &keep)?;
+        if let (Some(count), Some(m)) = (args.prune_partitions, &loaded) {
+            let seqs = crate::commands::sequences(
+                &m.tokenizer,
+                &self.calib_src,
+                self.plan.calib.nsamples,
+                self.plan.calib.seqlen,
+                quiet,
+            )?;
+            let keep_parts = most_used_partitions(m.model.as_ref(), &seqs, count)?;
+            rows.extend(self.family.keep_partitions(&mut self.config, &keep_parts)?);
+        }
+        let mut streamed = loaded.as_ref().is_some_and(|m| m.streamed);
+        drop(loaded);
+        clock.lap("evaluate_before");
+
+        let stats = write_checkpoint(&self.ckpt, &rows, &self.config, &self.staged.tmp)?;
+        clock.lap("write");
+        let out_ckpt = Checkpoint::open(&self.staged.tmp)?;
+        let out_layout = self.family.layout(&out_ckpt).context("the pruned config does not parse")?;
+        if out_layout.dk != self.k || out_layout.layers.len() != self.layout.layers.len() {
+            bail!("internal error: the pruned config describes d_k {} (expected {})", out_layout.dk, self.k);
+        }
+        let device = args.model.device.open()?;
+        let dtype = args.model.dtype.resolve(&device);
+        let opts = LoadOptions { dtype, device, grad: false };
+        let (reloaded, reload_streamed) = crate::commands::open_model(&out_ckpt, self.family, &opts, &args.memory)
+            .context("reloading the pruned checkpoint")?;
+        streamed |= reload_streamed;
+        let after = match &wins {
+            Some(w) => Some(ppl(reloaded.as_ref(), w, quiet)?),
+            None => None,
+        };
+
+        let checked: Vec<bool> = layers
+            .iter()
+            .flat_map(|l| l.heads.iter().filter_map(|h| h.choice.rrqr.as_ref().map(|r| r.bounds_hold)))
+            .collect();
+        let (plan, layout, k) = (&self.plan, &self.layout, self.k);
+        let report = PruneReport {
+            tool: "statecut",
+            version: env!("CARGO_PKG_VERSION"),
+            model: args.model.model.clone(),
+            model_type: self.model_type.clone(),
+            family: layout.family.clone(),
+            output: args.output.display().to_string(),
+            plan: plan.clone(),
+            dk_before: layout.dk,
+            dk_after: k,
+            layers_pruned: layout.layers.len(),
+            key_heads_per_layer: layout.layers.first().map_or(0, |l| l.key_heads),
+            state_elems_before: layout.state_elems(layout.dk),
+            state_elems_after: out_layout.state_elems(k),
+            params_before: self.ckpt.num_params(),
+            params_after: stats.params,
+            seconds: clock.finish(),
+            calibration: calibration.as_ref().map(|c| CalibrationInfo {
+                source: c.settings.source.clone(),
+                sequences: c.sequences_done,
+                seqlen: c.settings.seqlen,
+                tokens: c.tokens,
+                rows_per_layer: c.settings.rows,
+            }),
+            ppl: match (before, after) {
+                (Some(b), Some(a)) => Some(Perplexity {
+                    data: plan.eval.clone().unwrap_or_default(),
+                    windows: wins.as_ref().map_or(0, Vec::len),
+                    seqlen: plan.eval_seqlen,
+                    before: b,
+                    after: a,
+                }),
+                _ => None,
+            },
+            serving: self.serving.clone(),
+            rrqr_bounds_hold: (!checked.is_empty()).then(|| (checked.iter().filter(|b| **b).count(), checked.len())),
+            memory: {
+                let (peak_bytes, measured) = crate::stream::peak_memory(&opts.device);
+                MemoryInfo { streamed, peak_bytes, measured }
+            },
+            layers,
+        };
+        let tmp = &self.staged.tmp;
+        std::fs::write(tmp.join("statecut_report.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+        std::fs::write(tmp.join("statecut_report.md"), report.markdown())?;
+        std::fs::write(tmp.join("statecut_recipe.toml"), toml::to_string(&recipe_of(plan))?)?;
+        self.staged.commit()?;
+        report.serving.lines().iter().for_each(|l| println!("{l}"));
+        println!("{}", report.summary());
+        if !quiet {
+            eprintln!("wrote {}", args.output.display());
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// The model, when a stage needs it: opened once from the checkpoint already checked.
+    fn load(&self, quiet: bool) -> Result<Option<crate::commands::Loaded>> {
+        let need = self.calibrate_now || self.eval_src.is_some() || self.args.prune_partitions.is_some();
+        if !need {
+            return Ok(None);
+        }
+        let grad = self.calibrate_now && self.plan.method == Method::Grad;
+        let (ckpt, family, layout) = (self.ckpt.clone(), self.family, self.layout.clone());
+        Ok(Some(crate::commands::load_opened(ckpt, family, layout, &self.args.model, &self.args.memory, grad, quiet)?))
+    }
+
+    /// Saved activations, or a calibration pass now when the method needs one.
+    fn calibrate(&mut self, loaded: Option<&crate::commands::Loaded>, quiet: bool) -> Result<Option<Calibration>> {
+        Ok(match (self.saved.take(), loaded) {
+            (Some(c), _) => Some(c),
+            (None, Some(m)) if self.calibrate_now => Some(calibrate(
+                m,
+                &self.plan.calib,
+                self.plan.method == Method::Grad,
+                &self.calib_src,
+                self.args.calib.batch(),
+                quiet,
+            )?),
+            _ => None,
+        })
+    }
 }
 
 /// One calibration pass of the loaded model `m` over `src` with settings `c`.
@@ -333,13 +408,7 @@ pub(crate) fn calibrate(
         grad,
         source: c.source.clone().unwrap_or_else(|| "builtin".into()),
     };
-    let hidden = m
-        .ckpt
-        .config
-        .get("hidden_size")
-        .or_else(|| m.ckpt.config.pointer("/text_config/hidden_size"))
-        .and_then(|v| v.as_u64())
-        .unwrap_or(0) as usize;
+    let hidden = m.ckpt.hidden_size().unwrap_or(0);
     let mut cal = Calibration::new(settings, &m.layout, hidden);
     cal.text_column = c.text_column.clone();
     cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
