@@ -6,11 +6,10 @@
 
 mod common;
 
-use anyhow::Result;
 use candle_core::{DType, Tensor};
-use common::{flat, pruned, rel_err};
+use common::{fixture, flat, golden_ids, load_cpu, pruned, rel_err, Hidden};
 use serde_json::Value;
-use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver, Observer};
+use statecut::arch::{family_for, DecodeCache, NoObserver};
 use statecut::checkpoint::Checkpoint;
 use std::path::{Path, PathBuf};
 
@@ -20,34 +19,13 @@ const FIXTURES: [&str; 5] = ["nemotron_h", "granite_h", "granite_h_dense", "falc
 /// keys and values: `kimi_prune_is_refused_before_any_work`).
 const PRUNABLE: [&str; 4] = ["nemotron_h", "granite_h", "granite_h_dense", "falcon_h1"];
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn load(dir: &Path) -> Box<dyn CausalLm> {
-    let ckpt = Checkpoint::open(dir).unwrap();
-    family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap()
-}
-
-fn golden_ids(dir: &Path) -> Tensor {
-    common::golden(dir)["input_ids"].to_dtype(DType::U32).unwrap()
-}
-
-struct Hidden(Vec<Tensor>);
-impl Observer for Hidden {
-    fn hidden(&mut self, _i: usize, h: &Tensor) -> Result<()> {
-        self.0.push(h.clone());
-        Ok(())
-    }
-}
-
 #[test]
 fn logits_and_hidden_states_match_transformers() {
     for name in FIXTURES {
         let dir = fixture(name);
         let golden = common::golden(&dir);
         let mut hidden = Hidden(Vec::new());
-        let logits = load(&dir).forward(&golden_ids(&dir), &mut hidden).unwrap();
+        let logits = load_cpu(&dir).forward(&golden_ids(&dir), &mut hidden).unwrap();
         let pos = golden["logit_positions"].to_dtype(DType::U32).unwrap();
         let err = rel_err(&flat(&logits.index_select(&pos, 1).unwrap()), &flat(&golden["logits"]));
         eprintln!("{name}: logits relative error {err:.3e}");
@@ -68,7 +46,7 @@ fn decode_matches_forward_and_transformers() {
     for name in FIXTURES {
         let dir = fixture(name);
         let golden = common::golden(&dir);
-        let model = load(&dir);
+        let model = load_cpu(&dir);
         let ids = golden_ids(&dir);
         let n = ids.dim(1).unwrap();
         let full = model.forward(&ids, &mut NoObserver).unwrap();

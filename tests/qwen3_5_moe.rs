@@ -5,37 +5,15 @@
 
 mod common;
 
-use anyhow::Result;
 use candle_core::{DType, Tensor};
-use common::{flat, rel_err};
+use common::{fixture, flat, golden_ids, load_cpu, rel_err, Hidden};
 use serde_json::Value;
-use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver, Observer};
+use statecut::arch::{family_for, DecodeCache, NoObserver};
 use statecut::checkpoint::Checkpoint;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 const FIXTURES: [&str; 2] = ["qwen3_5_moe", "qwen3_5_moe_text"];
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
-
-fn load(dir: &Path) -> Box<dyn CausalLm> {
-    let ckpt = Checkpoint::open(dir).unwrap();
-    family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap()
-}
-
-fn golden_ids(dir: &Path) -> Tensor {
-    common::golden(dir)["input_ids"].to_dtype(DType::U32).unwrap()
-}
-
-struct Hidden(Vec<Tensor>);
-impl Observer for Hidden {
-    fn hidden(&mut self, _i: usize, h: &Tensor) -> Result<()> {
-        self.0.push(h.clone());
-        Ok(())
-    }
-}
 
 /// Stored tensors of a single-file checkpoint: name -> (dtype, shape, bytes).
 type Tensors = BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>;
@@ -99,7 +77,7 @@ fn logits_and_hidden_states_match_transformers() {
     for name in FIXTURES {
         let dir = fixture(name);
         let golden = common::golden(&dir);
-        let model = load(&dir);
+        let model = load_cpu(&dir);
         let mut hidden = Hidden(Vec::new());
         let logits = model.forward(&golden_ids(&dir), &mut hidden).unwrap();
         let pos = golden["logit_positions"].to_dtype(DType::U32).unwrap();
@@ -128,8 +106,8 @@ fn fused_and_per_expert_layouts_agree() {
         copy_with(&dir, &split, unfuse);
         assert!(read_tensors(&split).keys().any(|k| k.ends_with("layers.0.mlp.experts.7.down_proj.weight")));
         let ids = golden_ids(&dir);
-        let a = flat(&load(&dir).forward(&ids, &mut NoObserver).unwrap());
-        let b = flat(&load(&split).forward(&ids, &mut NoObserver).unwrap());
+        let a = flat(&load_cpu(&dir).forward(&ids, &mut NoObserver).unwrap());
+        let b = flat(&load_cpu(&split).forward(&ids, &mut NoObserver).unwrap());
         let err = rel_err(&b, &a);
         eprintln!("{name}: per-expert vs fused logits relative error {err:.3e}");
         assert!(err < 1e-6, "{name}: {err}");
@@ -140,7 +118,7 @@ fn fused_and_per_expert_layouts_agree() {
 fn decode_matches_forward() {
     for name in FIXTURES {
         let dir = fixture(name);
-        let model = load(&dir);
+        let model = load_cpu(&dir);
         let ids = golden_ids(&dir).narrow(1, 0, 48).unwrap();
         let full = model.forward(&ids, &mut NoObserver).unwrap();
         let mut cache = DecodeCache::default();

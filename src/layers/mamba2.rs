@@ -80,15 +80,27 @@ impl Mamba2Dims {
         Ok(())
     }
 
-    /// The recurrent state of decoder layer `layer`, whose mixer's tensors are under `prefix`.
-    pub fn layer_state(&self, layer: usize, prefix: &str, conv_bias: bool) -> crate::arch::LayerState {
-        crate::arch::LayerState {
-            layer,
-            key_heads: self.groups,
-            value_heads: self.heads,
-            dv: self.head_dim,
-            slices: self.slices(prefix, conv_bias),
-        }
+    /// The state layout of a model of `num_layers` layers whose recurrent ones are the Mamba-2
+    /// mixers `mixers` (decoder layer, tensor prefix `…mixer.`); `has_tensor` says whether a
+    /// mixer stores its optional conv bias.
+    pub fn layout(
+        &self,
+        family: &str,
+        mixers: impl IntoIterator<Item = (usize, String)>,
+        num_layers: usize,
+        has_tensor: impl Fn(&str) -> bool,
+    ) -> crate::arch::StateLayout {
+        let layers = mixers
+            .into_iter()
+            .map(|(layer, p)| crate::arch::LayerState {
+                layer,
+                key_heads: self.groups,
+                value_heads: self.heads,
+                dv: self.head_dim,
+                slices: self.slices(&p, has_tensor(&format!("{p}conv1d.bias"))),
+            })
+            .collect();
+        crate::arch::StateLayout { family: family.into(), dk: self.state, layers, num_layers }
     }
 
     /// Where the state's key/query channels live under `prefix` (`…mixer.`): the B and C rows of

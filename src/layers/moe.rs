@@ -9,7 +9,7 @@
 use super::mlp::Mlp;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, D};
-use candle_nn::Linear;
+use candle_nn::{Linear, VarBuilder};
 
 pub enum Router {
     /// Softmax over every expert; the top-k weights are renormalised to sum to 1 when `norm`.
@@ -36,6 +36,20 @@ pub struct Moe {
 }
 
 impl Router {
+    /// The sigmoid router whose correction bias is `e_score_correction_bias` under `gate` (the
+    /// router's prefix, as DeepSeek-V3-style checkpoints store it, in float32).
+    pub fn sigmoid(
+        gate: &VarBuilder,
+        experts: usize,
+        groups: usize,
+        topk_groups: usize,
+        norm: bool,
+        scale: f64,
+    ) -> Result<Self> {
+        let bias = gate.get_with_hints_dtype(experts, "e_score_correction_bias", Default::default(), DType::F32)?;
+        Ok(Router::Sigmoid { bias: bias.to_vec1::<f32>()?, groups, topk_groups, norm, scale })
+    }
+
     /// Scores [N, E] in float32 from router logits.
     fn scores(&self, logits: &Tensor) -> Result<Tensor> {
         let logits = logits.to_dtype(DType::F32)?;
@@ -137,7 +151,7 @@ mod tests {
     use super::*;
     use crate::ops::mlp::SwiGlu;
     use candle_core::Device;
-    use candle_nn::{linear_no_bias, VarBuilder, VarMap};
+    use candle_nn::{linear_no_bias, VarMap};
 
     fn moe(vb: &VarBuilder, h: usize, e: usize, k: usize, router: Router, gated: bool) -> Moe {
         let mlp = |p: String| Mlp::SwiGlu(SwiGlu::load(vb.pp(p), h, 4).unwrap());

@@ -54,6 +54,32 @@ pub fn model_dir(name: &str) -> Option<PathBuf> {
     shared().map(|s| s.join("models").join(name))
 }
 
+/// A checkpoint committed under `tests/fixtures/`.
+pub fn fixture(name: &str) -> PathBuf {
+    repo_file("tests/fixtures").join(name)
+}
+
+/// The model of `dir`, loaded on the CPU in float32.
+pub fn load_cpu(dir: &Path) -> Box<dyn statecut::arch::CausalLm> {
+    let ckpt = statecut::checkpoint::Checkpoint::open(dir).unwrap();
+    statecut::arch::family_for(&ckpt).unwrap().load(&ckpt, &statecut::arch::LoadOptions::cpu_f32()).unwrap()
+}
+
+/// The golden token ids [1, T] of `dir`, as u32.
+pub fn golden_ids(dir: &Path) -> candle_core::Tensor {
+    golden(dir)["input_ids"].to_dtype(candle_core::DType::U32).unwrap()
+}
+
+/// An observer that keeps every hidden state it is shown, in order.
+pub struct Hidden(pub Vec<candle_core::Tensor>);
+
+impl statecut::arch::Observer for Hidden {
+    fn hidden(&mut self, _index: usize, h: &candle_core::Tensor) -> anyhow::Result<()> {
+        self.0.push(h.clone());
+        Ok(())
+    }
+}
+
 /// The golden tensors of a reference model directory (`golden.safetensors`), on the CPU.
 pub fn golden(dir: &Path) -> HashMap<String, candle_core::Tensor> {
     candle_core::safetensors::load(dir.join("golden.safetensors"), &candle_core::Device::Cpu).unwrap()

@@ -136,13 +136,8 @@ impl Family for FalconH1Family {
 
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let c = config(ckpt)?;
-        let layers = (0..c.layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}.mamba.");
-                c.dims.layer_state(i, &p, ckpt.tensors.contains_key(&format!("{p}conv1d.bias")))
-            })
-            .collect();
-        Ok(StateLayout { family: "FalconH1".into(), dk: c.dims.state, layers, num_layers: c.layers })
+        let mixers = (0..c.layers).map(|i| (i, format!("model.layers.{i}.mamba.")));
+        Ok(c.dims.layout("FalconH1", mixers, c.layers, |t| ckpt.tensors.contains_key(t)))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {

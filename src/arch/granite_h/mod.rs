@@ -171,14 +171,8 @@ impl Family for GraniteHybridFamily {
 
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let c = config(ckpt)?;
-        let layers = (0..c.mamba.len())
-            .filter(|&i| c.mamba[i])
-            .map(|i| {
-                let p = format!("model.layers.{i}.mamba.");
-                c.dims.layer_state(i, &p, ckpt.tensors.contains_key(&format!("{p}conv1d.bias")))
-            })
-            .collect();
-        Ok(StateLayout { family: "GraniteMoeHybrid".into(), dk: c.dims.state, layers, num_layers: c.mamba.len() })
+        let mixers = (0..c.mamba.len()).filter(|&i| c.mamba[i]).map(|i| (i, format!("model.layers.{i}.mamba.")));
+        Ok(c.dims.layout("GraniteMoeHybrid", mixers, c.mamba.len(), |t| ckpt.tensors.contains_key(t)))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {

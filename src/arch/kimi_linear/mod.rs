@@ -140,21 +140,20 @@ impl KimiConfig {
                 Ok(Mlp::SwiGlu(SwiGlu::new(lin("w1", n, h)?, lin("w3", n, h)?, lin("w2", h, n)?)))
             })
             .collect::<Result<Vec<_>>>()?;
-        let bias =
-            m.get_with_hints_dtype(self.experts, "gate.e_score_correction_bias", Default::default(), DType::F32)?;
         let shared = match self.shared_experts {
             0 => None,
             s => Some(Shared { mlp: Mlp::SwiGlu(SwiGlu::load(m.pp("shared_experts"), h, n * s)?), gate: None }),
         };
         Ok(Sublayer::Moe(Moe {
             gate: linear_no_bias(h, self.experts, m.pp("gate"))?,
-            router: Router::Sigmoid {
-                bias: bias.to_vec1::<f32>()?,
-                groups: self.groups,
-                topk_groups: self.topk_groups,
-                norm: self.renormalize,
-                scale: self.scale,
-            },
+            router: Router::sigmoid(
+                &m.pp("gate"),
+                self.experts,
+                self.groups,
+                self.topk_groups,
+                self.renormalize,
+                self.scale,
+            )?,
             top_k: self.top_k,
             experts,
             shared,

@@ -10,7 +10,7 @@ mod model;
 
 #[cfg(test)]
 use super::SliceRole;
-use super::{Family, LayerState, LoadOptions, StateLayout};
+use super::{Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -26,16 +26,9 @@ fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
 
 /// Layout of a Mamba-2 model (FORMATS.md §2a pruning recipe): B and C rows of `in_proj` and
 /// channels of `conv1d`, each group owning N consecutive rows.
-pub fn layout_of(cfg: &Mamba2Config, has_conv_bias: impl Fn(&str) -> bool) -> StateLayout {
-    let dims = cfg.dims();
-    let layers = (0..cfg.layers)
-        .map(|l| {
-            let p = format!("backbone.layers.{l}.mixer.");
-            let slices = dims.slices(&p, has_conv_bias(&format!("{p}conv1d.bias")));
-            LayerState { layer: l, key_heads: cfg.groups, value_heads: cfg.heads, dv: cfg.head_dim, slices }
-        })
-        .collect();
-    StateLayout { family: "Mamba2".into(), dk: cfg.state, layers, num_layers: cfg.layers }
+pub fn layout_of(cfg: &Mamba2Config, has_tensor: impl Fn(&str) -> bool) -> StateLayout {
+    let mixers = (0..cfg.layers).map(|l| (l, format!("backbone.layers.{l}.mixer.")));
+    cfg.dims().layout("Mamba2", mixers, cfg.layers, has_tensor)
 }
 
 pub struct Mamba2Family;

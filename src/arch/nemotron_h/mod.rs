@@ -18,7 +18,6 @@ use crate::layers::moe::{Moe, Router, Shared};
 use crate::layers::stack::{Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{Context, Result};
-use candle_core::DType;
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
 use serde_json::Value;
 
@@ -42,16 +41,9 @@ fn moe(vb: &VarBuilder, c: &NemotronHConfig) -> Result<Moe> {
     } else {
         (0..m.experts).map(|e| Mlp::relu2(vb.pp(format!("experts.{e}")), h, i, false)).collect::<Result<Vec<_>>>()?
     };
-    let bias = vb.get_with_hints_dtype(m.experts, "gate.e_score_correction_bias", Default::default(), DType::F32)?;
     Ok(Moe {
         gate: linear_no_bias(h, m.experts, vb.pp("gate"))?,
-        router: Router::Sigmoid {
-            bias: bias.to_vec1::<f32>()?,
-            groups: m.groups,
-            topk_groups: m.topk_groups,
-            norm: m.norm,
-            scale: m.scale,
-        },
+        router: Router::sigmoid(&vb.pp("gate"), m.experts, m.groups, m.topk_groups, m.norm, m.scale)?,
         top_k: m.top_k,
         experts,
         shared: Some(Shared { mlp: Mlp::relu2(vb.pp("shared_experts"), h, m.shared_intermediate, false)?, gate: None }),
@@ -67,14 +59,10 @@ impl Family for NemotronHFamily {
 
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let c = config(ckpt)?;
-        let layers = (0..c.blocks.len())
+        let mixers = (0..c.blocks.len())
             .filter(|&i| c.blocks[i] == BlockKind::Mamba)
-            .map(|i| {
-                let p = format!("backbone.layers.{i}.mixer.");
-                c.mamba.layer_state(i, &p, ckpt.tensors.contains_key(&format!("{p}conv1d.bias")))
-            })
-            .collect();
-        Ok(StateLayout { family: "NemotronH".into(), dk: c.mamba.state, layers, num_layers: c.blocks.len() })
+            .map(|i| (i, format!("backbone.layers.{i}.mixer.")));
+        Ok(c.mamba.layout("NemotronH", mixers, c.blocks.len(), |t| ckpt.tensors.contains_key(t)))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
