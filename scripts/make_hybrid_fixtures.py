@@ -42,6 +42,7 @@ import os
 import shutil
 
 import torch
+from golden_text import first_tokens
 from safetensors.torch import load_file, save_file
 
 SEQ = 128
@@ -172,17 +173,7 @@ def randomise(model, gen):
 
 
 def input_ids(tokenizer, data):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer)
-    ids = []
-    with open(data) as f:
-        for line in f:
-            if line.strip():
-                ids += tok.encode(json.loads(line)["text"], add_special_tokens=False).ids + [COMMON["eos_token_id"]]
-            if len(ids) >= SEQ:
-                break
-    return torch.tensor([ids[:SEQ]])
+    return first_tokens(tokenizer, data, COMMON["eos_token_id"], SEQ)
 
 
 def final_norm(model):

@@ -31,6 +31,7 @@ import re
 import shutil
 
 import torch
+from golden_text import first_tokens
 from safetensors.torch import load_file, save_file
 
 TEXT = dict(
@@ -117,17 +118,7 @@ def forward(cls, path, ids):
 
 
 def input_ids(tokenizer, data):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(tokenizer)
-    ids = []
-    with open(data) as f:
-        for line in f:
-            if line.strip():
-                ids += tok.encode(json.loads(line)["text"], add_special_tokens=False).ids + [TEXT["eos_token_id"]]
-            if len(ids) >= SEQ:
-                break
-    return torch.tensor([ids[:SEQ]])
+    return first_tokens(tokenizer, data, TEXT["eos_token_id"], SEQ)
 
 
 def make(kind, out, shared, seed):
