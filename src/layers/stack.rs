@@ -27,6 +27,12 @@ pub struct StackSpec {
     pub logit_scale: f64,
 }
 
+/// The untied LM head `lm_head.weight`, unless the config ties it (`tie_word_embeddings`) or the
+/// checkpoint does not store it.
+pub fn untied_head(ckpt: &crate::checkpoint::Checkpoint, tied: bool) -> Option<String> {
+    (!tied && ckpt.tensors.contains_key("lm_head.weight")).then(|| "lm_head.weight".into())
+}
+
 /// Builds layer `i` under its prefix, registering gradient variables.
 pub type LayerLoader = dyn Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<Layer> + Send + Sync;
 

@@ -14,7 +14,7 @@ use crate::layers::block::{Layer, Step, Sublayer};
 use crate::layers::mamba2::{Mamba2Dims, Mamba2Mixer, OutputNorm};
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
-use crate::layers::stack::{Stack, StackSpec};
+use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
@@ -185,7 +185,7 @@ impl Family for GraniteHybridFamily {
             embed: "model.embed_tokens.weight".into(),
             layer_prefix: "model.layers".into(),
             final_norm: "model.norm".into(),
-            lm_head: (!c.tie && ckpt.tensors.contains_key("lm_head.weight")).then(|| "lm_head.weight".into()),
+            lm_head: untied_head(ckpt, c.tie),
             embed_scale: c.embed_scale,
             logit_scale: c.logit_scale,
         };

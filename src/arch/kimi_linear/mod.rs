@@ -17,7 +17,7 @@ use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, Output
 use crate::layers::mla::{Mla, MlaDims};
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
-use crate::layers::stack::{Stack, StackSpec};
+use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::conv::ShortConv;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
@@ -249,7 +249,7 @@ impl Family for KimiLinearFamily {
             embed: "model.embed_tokens.weight".into(),
             layer_prefix: "model.layers".into(),
             final_norm: "model.norm".into(),
-            lm_head: (!c.tie && ckpt.tensors.contains_key("lm_head.weight")).then(|| "lm_head.weight".into()),
+            lm_head: untied_head(ckpt, c.tie),
             embed_scale: 1.0,
             logit_scale: 1.0,
         };

@@ -15,7 +15,7 @@ use crate::layers::block::{Layer, Step, Sublayer};
 use crate::layers::mamba2::Mamba2Mixer;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
-use crate::layers::stack::{Stack, StackSpec};
+use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{Context, Result};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
@@ -75,7 +75,7 @@ impl Family for NemotronHFamily {
             embed: "backbone.embeddings.weight".into(),
             layer_prefix: "backbone.layers".into(),
             final_norm: "backbone.norm_f".into(),
-            lm_head: (!c.tie && ckpt.tensors.contains_key("lm_head.weight")).then(|| "lm_head.weight".into()),
+            lm_head: untied_head(ckpt, c.tie),
             embed_scale: 1.0,
             logit_scale: 1.0,
         };
