@@ -16,6 +16,10 @@
 #   reference:NAME        scripts/reference_pipeline.py on the same tokens
 #   decode:NAME           decode ms/step, original vs statecut-pruned, with the library's kernels
 #   bench:NAME            statecut bench, original vs pruned (--compare)
+#   speed:NAME            the decode-speed table: statecut bench (100 steps per round) original vs
+#                         pruned at 0.5 and at 0.75, then fla's decode captured in CUDA graphs
+#                         (scripts/decode_bench.py --graphs: 10 warm-up, 100 timed steps, median of
+#                         3 rounds) on the same three checkpoints
 #   state:NAME            the recurrent-state update of a decode step alone, fla's fused recurrent
 #                         kernels, original vs pruned (scripts/state_step_bench.py)
 #   kernels:NAME          statecut eval throughput with the fused kernel vs the chunked recurrence
@@ -79,7 +83,7 @@ for stage in "$@"; do
   name=${stage#*:}
   case $stage in
     statecut:*|reference:*|kernels:*|profile:*|stream:*|streamonly:*) ensure "$name" ;;
-    decode:*|bench:*|state:*|passkey:*) ensure "$name" pruned ;;
+    decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
   case $stage in
@@ -118,6 +122,19 @@ EOF
       $SC bench -m $CK/$name --compare $CK/$name-statecut --device cuda --dtype bf16 --prompt-len 512 \
         --batch-sizes 1,16,64 --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.log"
       echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
+    speed:*)
+      [ -d $CK/$name-statecut-0.75 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.75 --calib "$DATA" \
+        --nsamples 128 --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-statecut-0.75 > /dev/null 2>&1
+      for r in 0.5 0.75; do
+        p=$CK/$name-statecut; [ $r = 0.75 ] && p=$CK/$name-statecut-0.75
+        $SC bench -m $CK/$name --compare $p --device cuda --dtype bf16 --prompt-len 512 --batch-sizes 1,16,64 \
+          --decode-steps 100 --json > "$OUT/speed_${name}_$r.json" 2> "$OUT/speed_${name}_$r.log"
+        echo "bench $r rc $?"; grep "decode" "$OUT/speed_${name}_$r.log" | tail -6
+      done
+      python3 scripts/decode_bench.py --graphs --steps 100 --warmup 10 --rounds 3 --batch-sizes 1,16,64 \
+        --models $CK/$name $CK/$name-statecut $CK/$name-statecut-0.75 --json "$OUT/graphs_$name.json" \
+        > "$OUT/graphs_$name.log" 2>&1
+      echo "graphs rc $?"; tail -9 "$OUT/graphs_$name.log" ;;
     state:*)
       python3 scripts/state_step_bench.py --models $CK/$name $CK/$name-statecut --batch-sizes 1,16,64 \
         --json "$OUT/state_$name.json" > "$OUT/state_$name.log" 2>&1

@@ -165,6 +165,11 @@ impl StateLayout {
 /// Per-forward callbacks: how calibration and inspection see inside a model without the
 /// model knowing about them. Every method has a no-op default.
 pub trait Observer {
+    /// Whether every hook is a no-op, so a layer may take a fused path that never calls them
+    /// (the single-token decoding step).
+    fn passive(&self) -> bool {
+        false
+    }
     /// Ask the model to compute final recurrent states (costs an extra non-differentiable pass).
     fn wants_state(&self) -> bool {
         false
@@ -221,7 +226,11 @@ pub trait Observer {
 
 /// An observer that sees nothing.
 pub struct NoObserver;
-impl Observer for NoObserver {}
+impl Observer for NoObserver {
+    fn passive(&self) -> bool {
+        true
+    }
+}
 
 /// What one layer carries from one decoding call to the next.
 #[derive(Debug, Clone, Default)]
@@ -229,7 +238,8 @@ pub enum LayerCache {
     #[default]
     Empty,
     /// The last K-1 inputs [B, K-1, C] of the layer's short conv (one depthwise conv over all
-    /// its channels; `None` without one) and the recurrent state [B, H, dk, dv].
+    /// its channels; `None` without one; in the activations' dtype, or float32 after a fused
+    /// decoding step, which holds the same values) and the recurrent state [B, H, dk, dv].
     Recurrent { conv: Option<Tensor>, state: Tensor },
     /// Keys and values of a softmax-attention layer [B, H, T, d].
     Attention { k: Tensor, v: Tensor },

@@ -6,6 +6,7 @@
 
 use crate::arch::{LayerCache, Observer};
 use crate::ops::conv::ShortConv;
+use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, RmsNorm};
 use crate::ops::{repeat_heads, softplus};
@@ -40,12 +41,16 @@ pub enum Projections {
     QwenSplit { qkv: Linear, z: Linear, b: Linear, a: Linear },
     /// Qwen3-Next: per key-head group [q_g | k_g | v_g | z_g] and [b_g | a_g].
     QwenFused { qkvz: Linear, ba: Linear },
+    /// Every projection of `Separate` or `QwenSplit` stacked in one matrix, rows
+    /// [q | k | v | z | b | a] (those present): one matmul per call. [`Projections::stacked`]
+    /// builds it off the CPU.
+    Stacked { all: Linear, z: bool, b: bool, a: bool },
 }
 
 struct Projected {
     /// pre-conv [q all | k all | v all]
     qkv: Tensor,
-    /// [B, T, Hv, dv]
+    /// [B, T, Hv·dv]
     z: Option<Tensor>,
     /// [B, T, Hv]
     b: Option<Tensor>,
@@ -53,25 +58,64 @@ struct Projected {
 }
 
 impl Projections {
+    /// The same projections as one [`Projections::Stacked`] matmul when the weights are on a
+    /// GPU, plain (no gradient variables) and without biases; otherwise unchanged. The CPU
+    /// keeps separate matmuls, its reference path.
+    pub fn stacked(self) -> Result<Self> {
+        let parts: Vec<&Linear> = match &self {
+            Projections::Separate { q, k, v, b, a, z } => {
+                [Some(q), Some(k), Some(v), z.as_ref(), b.as_ref(), a.as_ref()].into_iter().flatten().collect()
+            }
+            Projections::QwenSplit { qkv, z, b, a } => vec![qkv, z, b, a],
+            _ => return Ok(self),
+        };
+        let plain = parts.iter().all(|p| p.bias().is_none() && !p.weight().is_variable());
+        if !plain || parts[0].weight().device().is_cpu() {
+            return Ok(self);
+        }
+        let all = Linear::new(Tensor::cat(&parts.iter().map(|p| p.weight()).collect::<Vec<_>>(), 0)?, None);
+        let (z, b, a) = match &self {
+            Projections::Separate { z, b, a, .. } => (z.is_some(), b.is_some(), a.is_some()),
+            _ => (true, true, true),
+        };
+        Ok(Projections::Stacked { all, z, b, a })
+    }
+
     fn project(&self, x: &Tensor, d: LinearDims) -> Result<Projected> {
         let (bs, t, _) = x.dims3()?;
-        let heads = |y: Tensor| y.reshape((bs, t, d.v_heads, d.dv));
         Ok(match self {
             Projections::Separate { q, k, v, b, a, z } => {
                 let opt = |p: &Option<Linear>| p.as_ref().map(|p| p.forward(x)).transpose();
                 Projected {
                     qkv: Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?,
-                    z: opt(z)?.map(heads).transpose()?,
+                    z: opt(z)?,
                     b: opt(b)?,
                     a: opt(a)?,
                 }
             }
             Projections::QwenSplit { qkv, z, b, a } => Projected {
                 qkv: qkv.forward(x)?,
-                z: Some(heads(z.forward(x)?)?),
+                z: Some(z.forward(x)?),
                 b: Some(b.forward(x)?),
                 a: Some(a.forward(x)?),
             },
+            Projections::Stacked { all, z, b, a } => {
+                // Narrowed views of one output: the conv and the decoding step read them in place.
+                let y = all.forward(x)?;
+                let mut at = 2 * d.heads * d.dk + d.v_heads * d.dv;
+                let qkv = y.narrow(2, 0, at)?;
+                let mut take = |present: bool, width: usize| -> Result<Option<Tensor>> {
+                    if !present {
+                        return Ok(None);
+                    }
+                    at += width;
+                    Ok(Some(y.narrow(2, at - width, width)?))
+                };
+                let z = take(*z, d.v_heads * d.dv)?;
+                let b = take(*b, d.v_heads)?;
+                let a = take(*a, d.v_heads)?;
+                Projected { qkv, z, b, a }
+            }
             Projections::QwenFused { qkvz, ba } => {
                 // transformers `fix_query_key_value_ordering`
                 let (r, hk) = (d.r(), d.heads);
@@ -79,7 +123,7 @@ impl Projections {
                 let m = qkvz.forward(x)?.reshape((bs, t, hk, 2 * d.dk + 2 * rdv))?;
                 let part = |off: usize, len: usize| m.narrow(3, off, len)?.reshape((bs, t, hk * len));
                 let qkv = Tensor::cat(&[part(0, d.dk)?, part(d.dk, d.dk)?, part(2 * d.dk, rdv)?], 2)?;
-                let z = m.narrow(3, 2 * d.dk + rdv, rdv)?.reshape((bs, t, d.v_heads, d.dv))?;
+                let z = m.narrow(3, 2 * d.dk + rdv, rdv)?.reshape((bs, t, d.v_heads * d.dv))?;
                 let ba = ba.forward(x)?.reshape((bs, t, hk, 2 * r))?;
                 let b = ba.narrow(3, 0, r)?.reshape((bs, t, d.v_heads))?;
                 let a = ba.narrow(3, r, r)?.reshape((bs, t, d.v_heads))?;
@@ -133,6 +177,17 @@ impl LinearAttention {
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let d = self.dims;
         let (b, t, _) = x.dims3()?;
+        let cache = match cache {
+            Some(c)
+                if t == 1
+                    && obs.passive()
+                    && self.steps_fused(x)
+                    && matches!(c, LayerCache::Recurrent { conv: Some(_), .. }) =>
+            {
+                return self.step(x, c);
+            }
+            other => other,
+        };
         obs.qk_input(self.layer, x)?;
         let (prev_conv, prev_state) = match cache.as_deref() {
             Some(LayerCache::Recurrent { conv, state }) => (conv.clone(), Some(state.clone())),
@@ -194,7 +249,7 @@ impl LinearAttention {
             OutputGate::None => self.norm.forward(&o)?,
             OutputGate::Silu => {
                 let z = p.z.as_ref().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?;
-                self.norm.forward_gated(&o, z)?
+                self.norm.forward_gated(&o, &z.reshape((b, t, d.v_heads, d.dv))?)?
             }
             OutputGate::SigmoidLowRank { g_a, g_b } => {
                 let gate = g_b.forward(&g_a.forward(x)?)?.reshape((b, t, d.v_heads, d.dv))?;
@@ -203,5 +258,67 @@ impl LinearAttention {
             }
         };
         Ok(self.o_proj.forward(&o.reshape((b, t, d.v_heads * d.dv))?)?)
+    }
+}
+
+impl LinearAttention {
+    /// Whether a single-token step on `x` may take [`Self::step`]: off the CPU, with no gradient,
+    /// for the layers it covers (a short conv, no per-channel decay, no low-rank gate).
+    fn steps_fused(&self, x: &Tensor) -> bool {
+        crate::ops::fusable(&[x])
+            && self.conv.is_some()
+            && !matches!(self.decay, Decay::PerChannel { .. })
+            && matches!(self.gate, OutputGate::None | OutputGate::Silu)
+    }
+
+    /// One decoding step in five launches (projections, [`StepInputs`], the recurrence,
+    /// [`OutNorm`], o_proj) instead of some fifty separate ops: what bounds a step at small
+    /// batches is launching kernels, not the bytes it moves.
+    fn step(&self, x: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
+        let d = self.dims;
+        let (b, _, _) = x.dims3()?;
+        let (LayerCache::Recurrent { conv: Some(history), state }, Some(conv)) = (&*cache, &self.conv) else {
+            anyhow::bail!("a fused decoding step needs a conv history and a recurrent state");
+        };
+        let dtype = x.dtype();
+        let p = self.proj.project(x, d)?;
+        let (weight, bias) = conv.parts();
+        let (neg_a, dt_bias, a) = match &self.decay {
+            Decay::PerHead { neg_a, dt_bias } => (Some(neg_a.clone()), Some(dt_bias.clone()), p.a.clone()),
+            _ => (None, None, None),
+        };
+        let inputs = StepInputs {
+            dims: StepDims { b, heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, kernel: weight.dim(1)? },
+            history: history.to_dtype(DType::F32)?.contiguous()?,
+            weight: weight.to_dtype(dtype)?.contiguous()?,
+            bias: bias.map(|b| b.to_dtype(dtype)).transpose()?,
+            b: p.b.clone(),
+            a,
+            neg_a,
+            dt_bias,
+            beta_scale: self.beta_scale as f32,
+            eps: 1e-6,
+        };
+        let s = inputs.run(&p.qkv)?;
+        let rec = Recurrence {
+            q: &s.q,
+            k: &s.k,
+            v: &s.v,
+            beta: &s.beta,
+            g: s.g.as_ref(),
+            gk: None,
+            scale: (d.dk as f64).powf(-0.5),
+            rule: Rule::Delta,
+            initial: Some(state),
+        };
+        let (o, state) = rec.fused_with_state()?;
+        *cache = LayerCache::Recurrent { conv: Some(s.history), state };
+        let (weight, eps) = self.norm.applied();
+        let gate = match self.gate {
+            OutputGate::Silu => Some(p.z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?),
+            _ => None,
+        };
+        let norm = OutNorm { weight: weight.clone(), gate, dtype, eps: eps as f32 };
+        Ok(self.o_proj.forward(&o.apply_op1_no_bwd(&norm)?)?)
     }
 }

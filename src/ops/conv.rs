@@ -42,6 +42,11 @@ impl ShortConv {
         Ok(self.forward_cached(x, None)?.0)
     }
 
+    /// The weight [C, K] and bias [C].
+    pub fn parts(&self) -> (&Tensor, Option<&Tensor>) {
+        (&self.weight, self.bias.as_ref())
+    }
+
     /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no
     /// gradient flows through it, this is one fused kernel instead of 2K + 2 candle ops.
     pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
@@ -52,7 +57,7 @@ impl ShortConv {
         let k = self.weight.dim(1)?;
         Ok(match prev {
             Some(p) => {
-                let input = Tensor::cat(&[p, x], 1)?;
+                let input = Tensor::cat(&[&p.to_dtype(x.dtype())?, x], 1)?;
                 (self.fused(&input, 0, true)?, last_inputs(&input, k - 1)?)
             }
             None => (self.fused(x, k - 1, true)?, last_inputs(x, k - 1)?),
@@ -76,7 +81,7 @@ impl ShortConv {
         let (_, t, _) = x.dims3()?;
         let k = self.weight.dim(1)?;
         let padded = match prev {
-            Some(p) => Tensor::cat(&[p, x], 1)?,
+            Some(p) => Tensor::cat(&[&p.to_dtype(x.dtype())?, x], 1)?,
             None => x.pad_with_zeros(1, k - 1, 0)?,
         };
         let mut y: Option<Tensor> = None;

@@ -371,3 +371,150 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
 TILED(16)
 TILED(24)
 TILED(32)
+
+// ---- One decoding step of a delta-rule layer (src/ops/decode.rs) ----
+
+// Sum of v over the block; every thread gets the total. `red` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float *red) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int w = 0; w < warps; w++) t += red[w];
+  return t;
+}
+
+__device__ __forceinline__ float softplus_f(float x) { return fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))); }
+
+// The inputs of one recurrence step from a layer's projections, for one (sequence b, value head
+// hv) per block: the short conv over [q | k | v] continued from the float32 history
+// conv_state [B, K-1, C], SiLU (rounded to T, as the conv's output is), L2-normed q and k of key
+// head hv / r, β = beta_scale · sigmoid(b) and g = neg_a · softplus(a + dt_bias).
+// x, b, a are rows of B (the row strides given). flags: 1 bias, 2 b (else β = 1), 4 a (else g = 0);
+// an absent input's pointer is never read.
+// out (float32): q [B,Hv,dk] | k [B,Hv,dk] | v [B,Hv,dv] | β [B,Hv] | g [B,Hv] | conv_state'
+// [B,K-1,C]; the history's q/k channels are written by the first value head of each key head.
+template <typename T>
+__device__ void delta_decode_prep(const T *__restrict__ x, long long xs, const float *__restrict__ conv_state,
+                                  const T *__restrict__ w, const T *__restrict__ bias, const T *__restrict__ bv,
+                                  long long bs, const T *__restrict__ av, long long as, const float *__restrict__ neg_a,
+                                  const float *__restrict__ dt_bias, float *__restrict__ out, int B, int H, int Hv,
+                                  int dk, int dv, int K, int flags, float beta_scale, float eps) {
+  extern __shared__ float qk[];  // 2 dk
+  __shared__ float red[32];
+  const int b = blockIdx.y, hv = blockIdx.x, kh = hv / (Hv / H);
+  const bool writes_qk = hv % (Hv / H) == 0;
+  const int kd = H * dk, C = 2 * kd + Hv * dv;
+  const T *xr = x + (long long)b * xs;
+  const float *st = conv_state + (long long)b * (K - 1) * C;
+  float *q_out = out, *k_out = out + (long long)B * Hv * dk, *v_out = k_out + (long long)B * Hv * dk;
+  float *beta_out = v_out + (long long)B * Hv * dv, *g_out = beta_out + (long long)B * Hv;
+  float *st_out = g_out + (long long)B * Hv + (long long)b * (K - 1) * C;
+  // Channel c's conv output, rounded to T, and its history shifted by one step.
+  auto conv = [&](int c, bool write) {
+    const float xc = to_f(xr[c]);
+    float acc = (flags & 1) ? to_f(bias[c]) : 0.0f;
+    for (int i = 0; i < K - 1; i++) acc += to_f(w[c * K + i]) * st[(long long)i * C + c];
+    acc += to_f(w[c * K + K - 1]) * xc;
+    if (write) {
+      for (int i = 0; i + 1 < K - 1; i++) st_out[(long long)i * C + c] = st[(long long)(i + 1) * C + c];
+      if (K > 1) st_out[(long long)(K - 2) * C + c] = xc;
+    }
+    return to_f(from_f<T>(acc / (1.0f + expf(-acc))));
+  };
+  float sq = 0.0f, sk = 0.0f;
+  for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+    const float qi = conv(kh * dk + i, writes_qk), ki = conv(kd + kh * dk + i, writes_qk);
+    qk[i] = qi;
+    qk[dk + i] = ki;
+    sq += qi * qi;
+    sk += ki * ki;
+  }
+  for (int j = threadIdx.x; j < dv; j += blockDim.x)
+    v_out[((long long)b * Hv + hv) * dv + j] = conv(2 * kd + hv * dv + j, true);
+  sq = block_sum(sq, red);
+  sk = block_sum(sk, red);
+  const float iq = rsqrtf(sq + eps), ik = rsqrtf(sk + eps);
+  for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+    q_out[((long long)b * Hv + hv) * dk + i] = qk[i] * iq;
+    k_out[((long long)b * Hv + hv) * dk + i] = qk[dk + i] * ik;
+  }
+  if (threadIdx.x == 0) {
+    const long long o = (long long)b * Hv + hv;
+    beta_out[o] = (flags & 2) ? beta_scale / (1.0f + expf(-to_f(bv[(long long)b * bs + hv]))) : 1.0f;
+    g_out[o] = (flags & 4) ? neg_a[hv] * softplus_f(to_f(av[(long long)b * as + hv]) + dt_bias[hv]) : 0.0f;
+  }
+}
+
+#define DECODE_PREP(NAME, T)                                                                          \
+  extern "C" __global__ void NAME(const T *x, long long xs, const float *conv_state, const T *w,      \
+                                  const T *bias, const T *bv, long long bs, const T *av, long long as, \
+                                  const float *neg_a, const float *dt_bias, float *out, int B, int H,  \
+                                  int Hv, int dk, int dv, int K, int flags, float beta_scale,          \
+                                  float eps) {                                                         \
+    delta_decode_prep<T>(x, xs, conv_state, w, bias, bv, bs, av, as, neg_a, dt_bias, out, B, H, Hv, dk, \
+                         dv, K, flags, beta_scale, eps);                                                \
+  }
+DECODE_PREP(delta_decode_prep_f32, float)
+DECODE_PREP(delta_decode_prep_bf16, __nv_bfloat16)
+DECODE_PREP(delta_decode_prep_f16, __half)
+
+// The recurrence's float32 output o [rows = B·Hv, n] rounded to T (as the layer's output is),
+// RMS-normed with the float32 weight w and, when g is given, gated by silu(g): g's row
+// b·Hv + h starts at g + b·gs + h·n (read only when `gated`). One warp per row; y [rows, n] in T.
+template <typename T>
+__device__ void out_norm(const float *__restrict__ x, const T *__restrict__ g, long long gs, int heads, int gated,
+                         const float *__restrict__ w, T *__restrict__ y, int rows, int n, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const float *xr = x + (long long)row * n;
+  const T *gr = gated ? g + (long long)(row / heads) * gs + (long long)(row % heads) * n : nullptr;
+  T *yr = y + (long long)row * n;
+  float ss = 0.0f;
+  for (int i = lane; i < n; i += 32) {
+    const float v = to_f(from_f<T>(xr[i]));
+    ss += v * v;
+  }
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const float inv = rsqrtf(ss / n + eps);
+  for (int i = lane; i < n; i += 32) {
+    float v = to_f(from_f<T>(xr[i])) * inv * w[i];
+    if (gr) {
+      const float gv = to_f(gr[i]);
+      v *= gv / (1.0f + expf(-gv));
+    }
+    yr[i] = from_f<T>(v);
+  }
+}
+
+#define OUT_NORM(NAME, T)                                                                            \
+  extern "C" __global__ void NAME(const float *x, const T *g, long long gs, int heads, int gated,      \
+                                  const float *w, T *y, int rows, int n, float eps) {                \
+    out_norm<T>(x, g, gs, heads, gated, w, y, rows, n, eps);                                         \
+  }
+OUT_NORM(out_norm_f32, float)
+OUT_NORM(out_norm_bf16, __nv_bfloat16)
+OUT_NORM(out_norm_f16, __half)
+
+// SwiGLU on the stacked gate|up projection: y[r, i] = silu(x[r, i]) · x[r, n + i], in float32,
+// rounded once to T. x [rows, 2n], y [rows, n].
+template <typename T>
+__device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long rows, int n) {
+  const long long total = rows * n;
+  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (long long)gridDim.x * blockDim.x) {
+    const long long r = idx / n;
+    const int i = idx % n;
+    const float gv = to_f(x[r * 2 * n + i]);
+    y[idx] = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(x[r * 2 * n + n + i]));
+  }
+}
+
+#define SWIGLU(NAME, T) \
+  extern "C" __global__ void NAME(const T *x, T *y, long long rows, int n) { swiglu<T>(x, y, rows, n); }
+SWIGLU(swiglu_f32, float)
+SWIGLU(swiglu_bf16, __nv_bfloat16)
+SWIGLU(swiglu_f16, __half)

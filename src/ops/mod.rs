@@ -4,6 +4,7 @@ pub mod chunked;
 pub mod conv;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod decode;
 pub mod delta_rule;
 pub mod mlp;
 pub mod norm;

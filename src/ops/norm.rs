@@ -31,6 +31,11 @@ impl RmsNorm {
         Ok(Self { weight, native, eps })
     }
 
+    /// The applied weight (w or 1 + w), float32, and eps.
+    pub fn applied(&self) -> (&Tensor, f64) {
+        (&self.weight, self.eps)
+    }
+
     pub fn load(vb: candle_nn::VarBuilder, size: usize, eps: f64, kind: NormWeight) -> Result<Self> {
         Self::new(vb.get(size, "weight")?, eps, kind)
     }

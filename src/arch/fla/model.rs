@@ -39,7 +39,8 @@ fn load(
         b: if gated || cfg.use_beta { Some(lin("b_proj", d.v_heads)?) } else { None },
         a: if gated { Some(lin("a_proj", d.v_heads)?) } else { None },
         z: if d.use_gate { Some(lin("g_proj", vd)?) } else { None },
-    };
+    }
+    .stacked()?;
     // g = -exp(A_log) * softplus(a + dt_bias)   (fla naive_gdn_gate)
     let decay = if gated {
         Decay::PerHead {

@@ -70,6 +70,7 @@ pub fn load(
             b: linear_no_bias(d.hidden, d.hv, vb.pp("in_proj_b"))?,
             a: linear_no_bias(d.hidden, d.hv, vb.pp("in_proj_a"))?,
         }
+        .stacked()?
     };
     let f32 = candle_core::DType::F32;
     Ok(LinearAttention {
