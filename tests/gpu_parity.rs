@@ -276,6 +276,7 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
 #[test]
 fn decode_step_kernels_match_cpu() {
     use statecut::ops::decode::{OutNorm, StepDims, StepInputs};
+    use statecut::ops::norm::NormWeight;
     let (gpu, cpu) = (gpu(), Device::Cpu);
     let rand = |shape: &[usize], s: f32| Tensor::randn(0f32, s, shape, &cpu).unwrap();
     for (heads, v_heads, dk, dv, b) in
@@ -319,11 +320,25 @@ fn decode_step_kernels_match_cpu() {
                     let act = y.narrow(2, 0, 2 * (c / 2)).unwrap().contiguous().unwrap();
                     let act = act.apply_op1_no_bwd(&statecut::ops::mlp::Swiglu).unwrap();
                     let g = s.g.as_ref().map(flat).unwrap_or_default();
-                    [flat(&s.q), flat(&s.k), flat(&s.v), flat(&s.beta), g, flat(&s.history), flat(&normed), flat(&act)]
+                    // residual add + norm: one kernel on the GPU, two ops on the CPU
+                    let rms = statecut::ops::norm::RmsNorm::new(on(&norm_w), 1e-6, NormWeight::Plain).unwrap();
+                    let (h, x) = rms.add_forward(&normed, &normed.sqr().unwrap()).unwrap();
+                    [
+                        flat(&s.q),
+                        flat(&s.k),
+                        flat(&s.v),
+                        flat(&s.beta),
+                        g,
+                        flat(&s.history),
+                        flat(&normed),
+                        flat(&act),
+                        flat(&h),
+                        flat(&x),
+                    ]
                 };
                 let (want, got) = (run(&cpu), run(&gpu));
                 let what = format!("h {heads}/{v_heads} dk {dk} dv {dv} b {b} {dtype:?} gated {gated}");
-                let names = ["q", "k", "v", "beta", "g", "history", "output norm", "swiglu"];
+                let names = ["q", "k", "v", "beta", "g", "history", "output norm", "swiglu", "residual", "add + norm"];
                 for ((w, g), name) in want.iter().zip(&got).zip(names) {
                     assert_eq!(w.len(), g.len(), "{what}: {name} sizes");
                     if w.is_empty() {

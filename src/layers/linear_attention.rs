@@ -101,7 +101,7 @@ impl Projections {
             },
             Projections::Stacked { all, z, b, a } => {
                 // Narrowed views of one output: the conv and the decoding step read them in place.
-                let y = all.forward(x)?;
+                let y = crate::ops::linear(all, x)?;
                 let mut at = 2 * d.heads * d.dk + d.v_heads * d.dv;
                 let qkv = y.narrow(2, 0, at)?;
                 let mut take = |present: bool, width: usize| -> Result<Option<Tensor>> {
@@ -319,6 +319,6 @@ impl LinearAttention {
             _ => None,
         };
         let norm = OutNorm { weight: weight.clone(), gate, dtype, eps: eps as f32 };
-        Ok(self.o_proj.forward(&o.apply_op1_no_bwd(&norm)?)?)
+        Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?)
     }
 }

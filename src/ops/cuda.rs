@@ -14,9 +14,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
 
-/// Kernel `name`, loading the module once per device.
+type DeviceId = candle_core::cuda_backend::DeviceId;
+
+/// Kernel `name`, loading the module once per device and each function once: a decoding step
+/// launches a few hundred kernels, and a driver lookup per launch would add to each.
 fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, Arc<CudaModule>>>> = OnceLock::new();
+    static MODULES: OnceLock<Mutex<HashMap<DeviceId, Arc<CudaModule>>>> = OnceLock::new();
+    static FUNCTIONS: OnceLock<Mutex<HashMap<(DeviceId, String), CudaFunction>>> = OnceLock::new();
+    let mut functions = FUNCTIONS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(f) = functions.get(&(dev.id(), name.to_string())) {
+        return Ok(f.clone());
+    }
     let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let module = match modules.get(&dev.id()) {
         Some(m) => m.clone(),
@@ -26,7 +34,9 @@ fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
             m
         }
     };
-    module.load_function(name).w()
+    let f = module.load_function(name).w()?;
+    functions.insert((dev.id(), name.to_string()), f.clone());
+    Ok(f)
 }
 
 /// Sizes of one recurrence launch (see `recurrence` in kernels.cu).
@@ -364,5 +374,41 @@ pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<Cud
         DType::BF16 => launch!(half::bf16, "swiglu_bf16"),
         DType::F16 => launch!(half::f16, "swiglu_f16"),
         dt => candle_core::bail!("swiglu: unsupported dtype {dt:?}"),
+    })
+}
+
+/// `add_rms` in kernels.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the
+/// float32 weight w [n]; output [2, rows, n].
+pub fn add_rms(
+    (a, al): (&CudaStorage, &Layout),
+    (b, bl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    rows: usize,
+    n: usize,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let dev = a.device().clone();
+    let wv = view::<f32>((w, wl), "norm weight")?;
+    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let ints = [rows as i32, n as i32];
+    macro_rules! launch {
+        ($ty:ty, $name:literal) => {{
+            let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
+            // SAFETY: the kernel writes both halves, 2 x rows x n outputs.
+            let out = unsafe { dev.alloc::<$ty>(2 * rows * n)? };
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&av).arg(&bv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps);
+            // SAFETY: argument list matches `add_rms_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(match a.dtype() {
+        DType::F32 => launch!(f32, "add_rms_f32"),
+        DType::BF16 => launch!(half::bf16, "add_rms_bf16"),
+        DType::F16 => launch!(half::f16, "add_rms_f16"),
+        dt => candle_core::bail!("add + norm: unsupported dtype {dt:?}"),
     })
 }

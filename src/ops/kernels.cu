@@ -518,3 +518,34 @@ __device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long row
 SWIGLU(swiglu_f32, float)
 SWIGLU(swiglu_bf16, __nv_bfloat16)
 SWIGLU(swiglu_f16, __half)
+
+// Residual add and RMSNorm in one pass: h = a + b rounded to T (as a separate add rounds), then
+// y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One warp per row of width n;
+// out [2, rows, n] = h | y.
+template <typename T>
+__device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const float *__restrict__ w,
+                        T *__restrict__ out, int rows, int n, float eps) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= rows) return;
+  const long long o = (long long)row * n;
+  T *hr = out + o, *yr = out + (long long)rows * n + o;
+  float ss = 0.0f;
+  for (int i = lane; i < n; i += 32) {
+    const T h = from_f<T>(to_f(a[o + i]) + to_f(b[o + i]));
+    hr[i] = h;
+    ss += to_f(h) * to_f(h);
+  }
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  const float inv = rsqrtf(ss / n + eps);
+  for (int i = lane; i < n; i += 32) yr[i] = from_f<T>(to_f(hr[i]) * inv * w[i]);
+}
+
+#define ADD_RMS(NAME, T)                                                                           \
+  extern "C" __global__ void NAME(const T *a, const T *b, const float *w, T *out, int rows, int n, \
+                                  float eps) {                                                    \
+    add_rms<T>(a, b, w, out, rows, n, eps);                                                        \
+  }
+ADD_RMS(add_rms_f32, float)
+ADD_RMS(add_rms_bf16, __nv_bfloat16)
+ADD_RMS(add_rms_f16, __half)

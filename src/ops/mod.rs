@@ -11,6 +11,22 @@ pub mod norm;
 
 use candle_core::{Layout, Result, Tensor};
 
+/// `lin` on x [.., in]. Off the CPU the leading dimensions are folded into one, so a batch
+/// of single tokens is one matrix product that reads the weight once, not one product per
+/// sequence; the CPU keeps candle's own path, the reference.
+pub fn linear(lin: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
+    use candle_nn::Module;
+    let dims = x.dims();
+    if x.device().is_cpu() || dims.len() < 3 {
+        return lin.forward(x);
+    }
+    let (lead, last) = dims.split_at(dims.len() - 1);
+    let y = lin.forward(&x.reshape((lead.iter().product::<usize>(), last[0]))?)?;
+    let mut out = lead.to_vec();
+    out.push(y.dim(1)?);
+    y.reshape(out)
+}
+
 /// softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for large |x|.
 pub fn softplus(x: &Tensor) -> Result<Tensor> {
     x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?

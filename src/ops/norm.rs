@@ -57,6 +57,19 @@ impl RmsNorm {
         }
     }
 
+    /// The residual sum h + y and its norm, (h + y, norm(h + y)): off the CPU, when no gradient
+    /// flows, one kernel ([`AddRms`]) for the two ops (and their two launches).
+    pub fn add_forward(&self, h: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
+        if !super::fusable(&[h, y]) || h.shape() != y.shape() || h.dtype() != y.dtype() {
+            let h = (h + y)?;
+            let x = self.forward(&h)?;
+            return Ok((h, x));
+        }
+        let both =
+            h.contiguous()?.apply_op3_no_bwd(&y.contiguous()?, &self.weight, &AddRms { eps: self.eps as f32 })?;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+
     /// [`Self::forward`] in separate float32 ops (the CPU path, and the reference in tests).
     fn forward_ops(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
@@ -157,6 +170,86 @@ impl CustomOp3 for GatedRms {
     }
 }
 
+/// h = a + b, rounded to their dtype, and RMSNorm(h) with a float32 weight: [`RmsNorm::add_forward`].
+/// Output [2, ..] = h | norm(h).
+struct AddRms {
+    eps: f32,
+}
+
+impl AddRms {
+    fn check(al: &Layout, bl: &Layout, wl: &Layout) -> Result<usize> {
+        let n = al.shape().dims().last().copied().unwrap_or(0);
+        if al.shape() != bl.shape() || wl.shape().elem_count() != n || n == 0 {
+            candle_core::bail!("add + norm: {:?} + {:?}, weight {:?}", al.shape(), bl.shape(), wl.shape());
+        }
+        Ok(n)
+    }
+
+    fn rows<T: WithDType>(&self, a: &[T], b: &[T], w: &[f32]) -> Vec<T> {
+        let n = w.len();
+        let h: Vec<T> =
+            a.iter().zip(b).map(|(x, y)| T::from_f64((x.to_f64() as f32 + y.to_f64() as f32) as f64)).collect();
+        let mut out = h.clone();
+        for hr in h.chunks_exact(n) {
+            let ss: f32 = hr.iter().map(|v| (v.to_f64() as f32).powi(2)).sum();
+            let inv = 1.0 / (ss / n as f32 + self.eps).sqrt();
+            out.extend(hr.iter().zip(w).map(|(v, wv)| T::from_f64((v.to_f64() as f32 * inv * wv) as f64)));
+        }
+        out
+    }
+
+    fn out_shape(al: &Layout) -> Shape {
+        let mut dims = vec![2];
+        dims.extend_from_slice(al.dims());
+        Shape::from(dims)
+    }
+}
+
+impl CustomOp3 for AddRms {
+    fn name(&self) -> &'static str {
+        "statecut-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Self::check(al, bl, wl)?;
+        let slice = |lay: &Layout| super::contiguous(lay, "add + norm");
+        let ((as_, ae), (bs, be), (ws, we)) = (slice(al)?, slice(bl)?, slice(wl)?);
+        let CpuStorage::F32(w) = w else { candle_core::bail!("add + norm: the weight must be float32") };
+        let w = &w[ws..we];
+        let out = match (a, b) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32(self.rows(&a[as_..ae], &b[bs..be], w)),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(self.rows(&a[as_..ae], &b[bs..be], w)),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(self.rows(&a[as_..ae], &b[bs..be], w)),
+            _ => candle_core::bail!("add + norm: both inputs must share a float dtype"),
+        };
+        Ok((out, Self::out_shape(al)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        a: &candle_core::CudaStorage,
+        al: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = Self::check(al, bl, wl)?;
+        let rows = al.shape().elem_count() / n;
+        let out = super::cuda::add_rms((a, al), (b, bl), (w, wl), rows, n, self.eps)?;
+        Ok((out, Self::out_shape(al)))
+    }
+}
+
 /// x / sqrt(Σx² + eps) over the last dimension (fla's l2norm puts eps inside the sqrt),
 /// computed in float32 and returned in x's dtype; fused off the CPU unless a gradient flows.
 pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
@@ -191,6 +284,27 @@ mod tests {
     fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
         let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         d / b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    /// The fused residual add + norm equals the add and the norm as separate ops, in float32 and
+    /// in bf16 (the sum rounded before it is normed, as the separate add rounds).
+    #[test]
+    fn add_rms_matches_add_then_norm() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(1f32, 0.2, 24, &dev).unwrap();
+        let norm = RmsNorm::new(w.clone(), 1e-6, NormWeight::Plain).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let a = Tensor::randn(0f32, 1.0, (3, 1, 24), &dev).unwrap().to_dtype(dtype).unwrap();
+            let b = Tensor::randn(0f32, 1.0, (3, 1, 24), &dev).unwrap().to_dtype(dtype).unwrap();
+            let both = a.apply_op3_no_bwd(&b, &norm.weight, &AddRms { eps: 1e-6 }).unwrap();
+            let (h, x) = norm.add_forward(&a, &b).unwrap();
+            let f = |t: Tensor| t.to_dtype(DType::F32).unwrap();
+            assert_eq!(both.dims(), &[2, 3, 1, 24]);
+            assert_eq!(max_rel(&f(both.get(0).unwrap()), &f(h)), 0.0, "{dtype:?}: the sums differ");
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+            let err = max_rel(&f(both.get(1).unwrap()), &f(x));
+            assert!(err < tol, "{dtype:?}: the norms differ by {err}");
+        }
     }
 
     /// The fused forms used on GPUs agree with the separate-op forms (candle's fused kernels run

@@ -38,10 +38,8 @@ impl<M: TokenMixer> super::super::layered::Block for Block<M> {
         let dev = h.device();
         let x = self.attn_norm.forward(h)?;
         mark("norm", dev);
-        let h = (h + self.attn.forward(&x, obs, cache)?)?;
-        mark("mixer output", dev);
-        let x = self.mlp_norm.forward(&h)?;
-        mark("norm", dev);
+        let (h, x) = self.mlp_norm.add_forward(h, &self.attn.forward(&x, obs, cache)?)?;
+        mark("mixer output + norm", dev);
         let h = (&h + self.mlp.forward(&x)?)?;
         mark("mlp", dev);
         Ok(h)
