@@ -31,6 +31,8 @@
 #                         than the GPU: wall time, peak GPU memory, per-stage seconds
 #   passkey:NAME          statecut eval --task passkey at 2K and 4K tokens, original vs pruned: accuracy
 #                         per depth, wall time, peak GPU memory
+# PRUNE_SAMPLES sets the calibration sequences of the pruned copies the decode stages time
+# (default 128); GRAPHS=0 skips the CUDA-graph run of speed:NAME.
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
 # NSAMPLES sets the calibration sequences of the stream stages (default 128).
 set -u
@@ -74,7 +76,7 @@ ensure() {
   [ -d $CK/$1 ] || python3 scripts/make_random_checkpoints.py $CK --models "$1" --tokenizer-from "$BUNDLE/tokenizer" \
     ${MAKE_ARGS:-} > "$OUT/make_$1.log" 2>&1
   if [ "${2:-}" = pruned ] && [ ! -d $CK/$1-statecut ]; then
-    $SC prune -m $CK/$1 --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 128 --seqlen 2048 --device cuda \
+    $SC prune -m $CK/$1 --method drrqr --ratio 0.5 --calib "$DATA" --nsamples ${PRUNE_SAMPLES:-128} --seqlen 2048 --device cuda \
       --dtype bf16 -q -o $CK/$1-statecut > /dev/null 2>&1
   fi
 }
@@ -124,17 +126,20 @@ EOF
       echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
     speed:*)
       [ -d $CK/$name-statecut-0.75 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.75 --calib "$DATA" \
-        --nsamples 128 --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-statecut-0.75 > /dev/null 2>&1
+        --nsamples ${PRUNE_SAMPLES:-128} --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-statecut-0.75 > /dev/null 2>&1
       for r in 0.5 0.75; do
         p=$CK/$name-statecut; [ $r = 0.75 ] && p=$CK/$name-statecut-0.75
         $SC bench -m $CK/$name --compare $p --device cuda --dtype bf16 --prompt-len 512 --batch-sizes 1,16,64 \
           --decode-steps 100 --json > "$OUT/speed_${name}_$r.json" 2> "$OUT/speed_${name}_$r.log"
-        echo "bench $r rc $?"; grep "decode" "$OUT/speed_${name}_$r.log" | tail -6
+        echo "bench $r rc $?"
+        python3 -c "import json,sys; [print(m['model'], [(r['batch'], round(r['decode_ms_per_token'], 3)) for r in m['rows']]) for m in json.load(open(sys.argv[1]))]" "$OUT/speed_${name}_$r.json"
       done
-      python3 scripts/decode_bench.py --graphs --steps 100 --warmup 10 --rounds 3 --batch-sizes 1,16,64 \
-        --models $CK/$name $CK/$name-statecut $CK/$name-statecut-0.75 --json "$OUT/graphs_$name.json" \
-        > "$OUT/graphs_$name.log" 2>&1
-      echo "graphs rc $?"; tail -9 "$OUT/graphs_$name.log" ;;
+      if [ "${GRAPHS:-1}" != 0 ]; then
+        python3 scripts/decode_bench.py --graphs --steps 100 --warmup 10 --rounds 3 --batch-sizes 1,16,64 \
+          --models $CK/$name $CK/$name-statecut $CK/$name-statecut-0.75 --json "$OUT/graphs_$name.json" \
+          > "$OUT/graphs_$name.log" 2>&1
+        echo "graphs rc $?"; grep "ms/step" "$OUT/graphs_$name.log"
+      fi ;;
     state:*)
       python3 scripts/state_step_bench.py --models $CK/$name $CK/$name-statecut --batch-sizes 1,16,64 \
         --json "$OUT/state_$name.json" > "$OUT/state_$name.log" 2>&1

@@ -293,6 +293,7 @@ fn decode_step_kernels_match_cpu() {
                 let neg_a = rand(&[v_heads], 1.0).exp().unwrap().neg().unwrap();
                 let dt_bias = rand(&[v_heads], 1.0);
                 let norm_w = (rand(&[dv], 0.1) + 1.0).unwrap();
+                let res_w = (rand(&[v_heads * dv], 0.1) + 1.0).unwrap();
                 let run = |dev: &Device| {
                     let on = |t: &Tensor| t.to_device(dev).unwrap();
                     let y = on(&y);
@@ -321,7 +322,7 @@ fn decode_step_kernels_match_cpu() {
                     let act = act.apply_op1_no_bwd(&statecut::ops::mlp::Swiglu).unwrap();
                     let g = s.g.as_ref().map(flat).unwrap_or_default();
                     // residual add + norm: one kernel on the GPU, two ops on the CPU
-                    let rms = statecut::ops::norm::RmsNorm::new(on(&norm_w), 1e-6, NormWeight::Plain).unwrap();
+                    let rms = statecut::ops::norm::RmsNorm::new(on(&res_w), 1e-6, NormWeight::Plain).unwrap();
                     let (h, x) = rms.add_forward(&normed, &normed.sqr().unwrap()).unwrap();
                     [
                         flat(&s.q),

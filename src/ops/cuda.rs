@@ -389,7 +389,7 @@ pub fn add_rms(
 ) -> Result<CudaStorage> {
     let dev = a.device().clone();
     let wv = view::<f32>((w, wl), "norm weight")?;
-    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
         ($ty:ty, $name:literal) => {{

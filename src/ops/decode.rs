@@ -126,7 +126,7 @@ impl StepInputs {
     fn check(&self, x: &Rows) -> Result<()> {
         let d = self.dims;
         let c = d.channels();
-        if x.rows != d.b || x.width != c || d.kernel == 0 || d.heads == 0 || d.v_heads % d.heads != 0 {
+        if x.rows != d.b || x.width != c || d.kernel == 0 || d.heads == 0 || !d.v_heads.is_multiple_of(d.heads) {
             candle_core::bail!("decode step: input {x:?} for {d:?}");
         }
         if self.history.dims() != [d.b, d.kernel - 1, c] || self.weight.dims() != [c, d.kernel] {

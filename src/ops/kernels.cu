@@ -520,25 +520,27 @@ SWIGLU(swiglu_bf16, __nv_bfloat16)
 SWIGLU(swiglu_f16, __half)
 
 // Residual add and RMSNorm in one pass: h = a + b rounded to T (as a separate add rounds), then
-// y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One warp per row of width n;
+// y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One block per row of width n (a
+// decoding step has as few rows as sequences, so a row is spread over the whole block);
 // out [2, rows, n] = h | y.
 template <typename T>
 __device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const float *__restrict__ w,
                         T *__restrict__ out, int rows, int n, float eps) {
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  __shared__ float red[32];
+  const int row = blockIdx.x;
   if (row >= rows) return;
   const long long o = (long long)row * n;
   T *hr = out + o, *yr = out + (long long)rows * n + o;
   float ss = 0.0f;
-  for (int i = lane; i < n; i += 32) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const T h = from_f<T>(to_f(a[o + i]) + to_f(b[o + i]));
     hr[i] = h;
     ss += to_f(h) * to_f(h);
   }
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  ss = block_sum(ss, red);
   const float inv = rsqrtf(ss / n + eps);
-  for (int i = lane; i < n; i += 32) yr[i] = from_f<T>(to_f(hr[i]) * inv * w[i]);
+  // each thread reads back only the elements it wrote
+  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = from_f<T>(to_f(hr[i]) * inv * w[i]);
 }
 
 #define ADD_RMS(NAME, T)                                                                           \

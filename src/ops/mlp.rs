@@ -59,7 +59,7 @@ impl Swiglu {
     fn shape(l: &Layout) -> Result<(Shape, usize, usize)> {
         let dims = l.dims();
         let two_n = dims.last().copied().unwrap_or(0);
-        if two_n % 2 != 0 || two_n == 0 {
+        if !two_n.is_multiple_of(2) || two_n == 0 {
             candle_core::bail!("swiglu: last dimension {two_n} is not [gate | up]");
         }
         let mut out = dims.to_vec();
