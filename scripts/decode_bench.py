@@ -58,6 +58,16 @@ def decode_round(model, ids, steps):
     return times
 
 
+def prompts(models, batch, prompt, vocab_cap, device):
+    """One random [batch, prompt] prompt per model, from a fixed seed, below each vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    ids = []
+    for m in models:
+        vocab = min(getattr(m.config, "vocab_size", vocab_cap), vocab_cap)
+        ids.append(torch.randint(0, vocab, (batch, prompt), generator=g).to(device))
+    return ids
+
+
 def tensors(state):
     """The tensors of a nested cache state (dicts, tuples, lists), in a fixed order."""
     if isinstance(state, torch.Tensor):
@@ -134,9 +144,7 @@ def graphed_round(model, ids, steps, warmup):
 def bench_graphs(paths, batch, prompt, steps, rounds, warmup, vocab_cap, device):
     """Median over rounds of the mean ms per graphed step of every model, models in turns."""
     models = [load(p, device) for p in paths]
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, min(getattr(m.config, "vocab_size", vocab_cap), vocab_cap), (batch, prompt),
-                         generator=g).to(device) for m in models]
+    ids = prompts(models, batch, prompt, vocab_cap, device)
     times = [[] for _ in models]
     failed = [None for _ in models]
     with torch.no_grad():
@@ -157,11 +165,7 @@ def bench(paths, batch, prompt, steps, rounds, vocab_cap, device):
     """Median ms per decode step of every model; the models take turns round by round, so that
     clock or thermal drift during the run hits all of them alike."""
     models = [load(p, device) for p in paths]
-    g = torch.Generator().manual_seed(0)
-    ids = []
-    for m in models:
-        vocab = min(getattr(m.config, "vocab_size", vocab_cap), vocab_cap)
-        ids.append(torch.randint(0, vocab, (batch, prompt), generator=g).to(device))
+    ids = prompts(models, batch, prompt, vocab_cap, device)
     times = [[] for _ in models]
     with torch.no_grad():
         for m, x in zip(models, ids):  # the first pass compiles the kernels

@@ -15,6 +15,9 @@ use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::Linear;
 
+/// eps of the q/k L2 norms (fla's `l2norm`, inside the square root).
+const L2_EPS: f64 = 1e-6;
+
 /// Head counts and widths: `heads` key heads of width `dk`, `v_heads` value heads (a multiple
 /// of `heads`; value head j reads key head j / (v_heads / heads)) of width `dv`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,11 +65,15 @@ impl Projections {
     /// GPU, plain (no gradient variables) and without biases; otherwise unchanged. The CPU
     /// keeps separate matmuls, its reference path.
     pub fn stacked(self) -> Result<Self> {
-        let parts: Vec<&Linear> = match &self {
-            Projections::Separate { q, k, v, b, a, z } => {
-                [Some(q), Some(k), Some(v), z.as_ref(), b.as_ref(), a.as_ref()].into_iter().flatten().collect()
-            }
-            Projections::QwenSplit { qkv, z, b, a } => vec![qkv, z, b, a],
+        // The rows in stacked order, and which of z, b, a are among them.
+        let (parts, z, b, a): (Vec<&Linear>, _, _, _) = match &self {
+            Projections::Separate { q, k, v, b, a, z } => (
+                [Some(q), Some(k), Some(v), z.as_ref(), b.as_ref(), a.as_ref()].into_iter().flatten().collect(),
+                z.is_some(),
+                b.is_some(),
+                a.is_some(),
+            ),
+            Projections::QwenSplit { qkv, z, b, a } => (vec![qkv, z, b, a], true, true, true),
             _ => return Ok(self),
         };
         let plain = parts.iter().all(|p| p.bias().is_none() && !p.weight().is_variable());
@@ -74,10 +81,6 @@ impl Projections {
             return Ok(self);
         }
         let all = Linear::new(Tensor::cat(&parts.iter().map(|p| p.weight()).collect::<Vec<_>>(), 0)?, None);
-        let (z, b, a) = match &self {
-            Projections::Separate { z, b, a, .. } => (z.is_some(), b.is_some(), a.is_some()),
-            _ => (true, true, true),
-        };
         Ok(Projections::Stacked { all, z, b, a })
     }
 
@@ -229,8 +232,8 @@ impl LinearAttention {
                 (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(neg_a)?))
             }
         };
-        let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, 1e-6)?, d.r())?;
-        let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, 1e-6)?, d.r())?;
+        let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, L2_EPS)?, d.r())?;
+        let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, L2_EPS)?, d.r())?;
         mark("gates + l2 norms", dev);
         let rec = Recurrence {
             q: &q,
@@ -297,7 +300,7 @@ impl LinearAttention {
             neg_a,
             dt_bias,
             beta_scale: self.beta_scale as f32,
-            eps: 1e-6,
+            eps: L2_EPS as f32,
         };
         let s = inputs.run(&p.qkv)?;
         let rec = Recurrence {

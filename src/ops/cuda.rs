@@ -12,30 +12,44 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// `$launch!(T, name)` for the instance of kernel `$kernel` (suffix `_f32`, `_bf16` or `_f16`)
+/// that matches `$dtype`; any other dtype is an error naming `$what`.
+macro_rules! per_dtype {
+    ($dtype:expr, $kernel:literal, $what:literal, $launch:ident) => {
+        match $dtype {
+            DType::F32 => $launch!(f32, concat!($kernel, "_f32")),
+            DType::BF16 => $launch!(half::bf16, concat!($kernel, "_bf16")),
+            DType::F16 => $launch!(half::f16, concat!($kernel, "_f16")),
+            dt => candle_core::bail!("{}: unsupported dtype {dt:?}", $what),
+        }
+    };
+}
+
 const FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
 
-type DeviceId = candle_core::cuda_backend::DeviceId;
+/// One device's copy of the kernels' module and the functions looked up in it so far.
+struct Kernels {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
 
 /// Kernel `name`, loading the module once per device and each function once: a decoding step
 /// launches a few hundred kernels, and a driver lookup per launch would add to each.
 fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Mutex<HashMap<DeviceId, Arc<CudaModule>>>> = OnceLock::new();
-    static FUNCTIONS: OnceLock<Mutex<HashMap<(DeviceId, String), CudaFunction>>> = OnceLock::new();
-    let mut functions = FUNCTIONS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(f) = functions.get(&(dev.id(), name.to_string())) {
-        return Ok(f.clone());
-    }
-    let mut modules = MODULES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    let module = match modules.get(&dev.id()) {
-        Some(m) => m.clone(),
-        None => {
-            let m = dev.cuda_stream().context().load_module(Ptx::from_binary(FATBIN.to_vec())).w()?;
-            modules.insert(dev.id(), m.clone());
-            m
+    static KERNELS: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, Kernels>>> = OnceLock::new();
+    let mut all = KERNELS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let kernels = match all.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let module = dev.cuda_stream().context().load_module(Ptx::from_binary(FATBIN.to_vec())).w()?;
+            e.insert(Kernels { module, functions: HashMap::new() })
         }
     };
-    let f = module.load_function(name).w()?;
-    functions.insert((dev.id(), name.to_string()), f.clone());
+    if let Some(f) = kernels.functions.get(name) {
+        return Ok(f.clone());
+    }
+    let f = kernels.module.load_function(name).w()?;
+    kernels.functions.insert(name.to_string(), f.clone());
     Ok(f)
 }
 
@@ -156,7 +170,7 @@ pub fn conv(
     let ints = [b, l, t_out, c, k, pad, act as usize].map(|v| v as i32);
     let cfg = LaunchConfig::for_num_elems(n as u32);
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>((x, xl), "conv")?;
             let wv = view::<$ty>((w, wl), "conv weight")?;
             let bv = view::<$ty>((bias, bl), "conv bias")?;
@@ -177,12 +191,7 @@ pub fn conv(
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    let out = match x.dtype() {
-        DType::F32 => launch!(f32, "conv_silu_f32"),
-        DType::BF16 => launch!(half::bf16, "conv_silu_bf16"),
-        DType::F16 => launch!(half::f16, "conv_silu_f16"),
-        dt => candle_core::bail!("conv: unsupported dtype {dt:?}"),
-    };
+    let out = per_dtype!(x.dtype(), "conv_silu", "conv", launch);
     Ok((out, Shape::from((b, t_out, c))))
 }
 
@@ -205,7 +214,7 @@ pub fn gated_rms(
     let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>((x, xl), "gated norm")?;
             let gv = view::<$ty>((g, gl), "gated norm gate")?;
             let func = function(&dev, $name)?;
@@ -219,12 +228,7 @@ pub fn gated_rms(
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    let out = match x.dtype() {
-        DType::F32 => launch!(f32, "gated_rms_f32"),
-        DType::BF16 => launch!(half::bf16, "gated_rms_bf16"),
-        DType::F16 => launch!(half::f16, "gated_rms_f16"),
-        dt => candle_core::bail!("gated norm: unsupported dtype {dt:?}"),
-    };
+    let out = per_dtype!(x.dtype(), "gated_rms", "gated norm", launch);
     Ok((out, xl.shape().clone()))
 }
 
@@ -276,7 +280,7 @@ pub fn decode_step(
     let strides = |v: Option<RowView>| v.map_or(0i64, |v| v.2 as i64);
     let (xs, bs, as_) = (a.x.2 as i64, strides(a.b), strides(a.a));
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let x = from::<$ty>(a.x.0, a.x.1)?;
             let w = from::<$ty>(a.weight.0, a.weight.1)?;
             let bias = a.bias.map(|(s, o)| from::<$ty>(s, o)).transpose()?;
@@ -296,12 +300,7 @@ pub fn decode_step(
             unsafe { builder.launch(cfg) }.w()?;
         }};
     }
-    match a.x.0.dtype() {
-        DType::F32 => launch!(f32, "delta_decode_prep_f32"),
-        DType::BF16 => launch!(half::bf16, "delta_decode_prep_bf16"),
-        DType::F16 => launch!(half::f16, "delta_decode_prep_f16"),
-        dt => candle_core::bail!("decode step: unsupported dtype {dt:?}"),
-    }
+    per_dtype!(a.x.0.dtype(), "delta_decode_prep", "decode step", launch);
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
@@ -323,7 +322,7 @@ pub fn out_norm(
     let (gs, gated) = (gate.map_or(0i64, |g| g.2 as i64), gate.is_some() as i32);
     let ints = [heads as i32, rows as i32, n as i32];
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let g = gate.map(|g| from::<$ty>(g.0, g.1)).transpose()?;
             // SAFETY: the kernel writes all rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(rows * n)? };
@@ -341,12 +340,7 @@ pub fn out_norm(
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    Ok(match dtype {
-        DType::F32 => launch!(f32, "out_norm_f32"),
-        DType::BF16 => launch!(half::bf16, "out_norm_bf16"),
-        DType::F16 => launch!(half::f16, "out_norm_f16"),
-        dt => candle_core::bail!("output norm: unsupported dtype {dt:?}"),
-    })
+    Ok(per_dtype!(dtype, "out_norm", "output norm", launch))
 }
 
 /// `swiglu` in kernels.cu: x [rows, 2n] (contiguous) to [rows, n].
@@ -356,7 +350,7 @@ pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<Cud
     let cfg = LaunchConfig::for_num_elems(total as u32);
     let (rows, n) = (rows as i64, n as i32);
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>((x, xl), "swiglu")?;
             // SAFETY: the kernel writes all rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(total)? };
@@ -369,12 +363,7 @@ pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<Cud
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    Ok(match x.dtype() {
-        DType::F32 => launch!(f32, "swiglu_f32"),
-        DType::BF16 => launch!(half::bf16, "swiglu_bf16"),
-        DType::F16 => launch!(half::f16, "swiglu_f16"),
-        dt => candle_core::bail!("swiglu: unsupported dtype {dt:?}"),
-    })
+    Ok(per_dtype!(x.dtype(), "swiglu", "swiglu", launch))
 }
 
 /// `add_rms` in kernels.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the
@@ -392,7 +381,7 @@ pub fn add_rms(
     let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
-        ($ty:ty, $name:literal) => {{
+        ($ty:ty, $name:expr) => {{
             let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
             // SAFETY: the kernel writes both halves, 2 x rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(2 * rows * n)? };
@@ -405,10 +394,5 @@ pub fn add_rms(
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    Ok(match a.dtype() {
-        DType::F32 => launch!(f32, "add_rms_f32"),
-        DType::BF16 => launch!(half::bf16, "add_rms_bf16"),
-        DType::F16 => launch!(half::f16, "add_rms_f16"),
-        dt => candle_core::bail!("add + norm: unsupported dtype {dt:?}"),
-    })
+    Ok(per_dtype!(a.dtype(), "add_rms", "add + norm", launch))
 }
