@@ -16,8 +16,9 @@
 #   reference:NAME        scripts/reference_pipeline.py on the same tokens
 #   decode:NAME           decode ms/step, original vs statecut-pruned, with the library's kernels
 #   bench:NAME            statecut bench, original vs pruned (--compare)
-#   speed:NAME            the decode-speed table: statecut bench (100 steps per round) original vs
-#                         pruned at 0.5 and at 0.75, then fla's decode captured in CUDA graphs
+#   speed:NAME            the decode-speed table: statecut bench (100 steps per round; its step
+#                         replayed from a CUDA graph) original vs pruned at 0.5 and at 0.75, and
+#                         with EAGER=1 also at 0.5 launched op by op; then fla's decode captured in CUDA graphs
 #                         (scripts/decode_bench.py --graphs: 10 warm-up, 100 timed steps, median of
 #                         3 rounds) on the same three checkpoints
 #   state:NAME            the recurrent-state update of a decode step alone, fla's fused recurrent
@@ -127,12 +128,13 @@ EOF
     speed:*)
       [ -d $CK/$name-statecut-0.75 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.75 --calib "$DATA" \
         --nsamples ${PRUNE_SAMPLES:-128} --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-statecut-0.75 > /dev/null 2>&1
-      for r in 0.5 0.75; do
+      for r in 0.5 0.75 ${EAGER:+0.5-eager}; do
         p=$CK/$name-statecut; [ $r = 0.75 ] && p=$CK/$name-statecut-0.75
+        flags=""; [ $r = 0.5-eager ] && flags="--eager"
         $SC bench -m $CK/$name --compare $p --device cuda --dtype bf16 --prompt-len 512 --batch-sizes 1,16,64 \
-          --decode-steps 100 --json > "$OUT/speed_${name}_$r.json" 2> "$OUT/speed_${name}_$r.log"
+          --decode-steps 100 $flags --json > "$OUT/speed_${name}_$r.json" 2> "$OUT/speed_${name}_$r.log"
         echo "bench $r rc $?"
-        python3 -c "import json,sys; [print(m['model'], [(r['batch'], round(r['decode_ms_per_token'], 3)) for r in m['rows']]) for m in json.load(open(sys.argv[1]))]" "$OUT/speed_${name}_$r.json"
+        python3 -c "import json,sys; [print(m['model'], [(r['batch'], round(r['decode_ms_per_token'], 3), r.get('decode_graph')) for r in m['rows']]) for m in json.load(open(sys.argv[1]))]" "$OUT/speed_${name}_$r.json"
       done
       if [ "${GRAPHS:-1}" != 0 ]; then
         python3 scripts/decode_bench.py --graphs --steps 100 --warmup 10 --rounds 3 --batch-sizes 1,16,64 \

@@ -3,6 +3,7 @@
 
 use crate::arch::{CausalLm, DecodeCache, LayerCache, NoObserver};
 use crate::cli::BenchArgs;
+use crate::graph_decode::GraphDecoder;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -27,6 +28,8 @@ pub struct BenchRow {
     pub decode_gb_per_s: Option<f64>,
     /// `decode_gb_per_s` over the device's measured copy bandwidth (what a memory-bound step reaches).
     pub bandwidth_fraction: Option<f64>,
+    /// Whether the step was replayed from a CUDA graph (else launched op by op).
+    pub decode_graph: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -88,7 +91,7 @@ fn cache_bytes(cache: &DecodeCache) -> u64 {
         let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
         match c {
             LayerCache::Empty => 0,
-            LayerCache::Recurrent { conv, state } => 2 * (bytes(state) + conv.as_ref().map_or(0, bytes)),
+            LayerCache::Recurrent { conv, state, .. } => 2 * (bytes(state) + conv.as_ref().map_or(0, bytes)),
             LayerCache::Attention { k, v } => bytes(k) + bytes(v),
             LayerCache::Parallel(branches) => branches.iter().map(layer).sum(),
         }
@@ -150,17 +153,40 @@ pub fn bench_models(
                 s.model.forward_cached(p, &mut c).ok().map(|_| c)
             })
             .collect();
+        // On CUDA the step is captured once per batch size and replayed, where the model allows.
+        let mut graphs: Vec<Option<GraphDecoder>> = Vec::new();
+        for (s, cache) in subjects.iter().zip(&caches) {
+            let dev = s.model.device();
+            let graph = match cache {
+                Some(c) if dev.is_cuda() && !args.eager => {
+                    match GraphDecoder::new(s.model, c, &random_ids(b, 1, s.vocab, dev, 7)?) {
+                        Ok((g, _)) => Some(g),
+                        Err(e) => {
+                            if !quiet {
+                                eprintln!("batch {b}: decoding op by op: {e:#}");
+                            }
+                            None
+                        }
+                    }
+                }
+                _ => None,
+            };
+            graphs.push(graph);
+        }
         let mut decode = vec![Vec::new(); subjects.len()];
         for i in 0..rounds {
             for (k, s) in subjects.iter().enumerate() {
                 let Some(cache) = &caches[k] else { continue };
                 let dev = s.model.device();
-                let mut c = cache.clone();
                 let step = random_ids(b, 1, s.vocab, dev, 7 + i as u64)?;
+                let mut c = cache.clone();
                 sync(dev)?;
                 let t0 = Instant::now();
                 for _ in 0..args.decode_steps {
-                    s.model.forward_cached(&step, &mut c)?;
+                    match &mut graphs[k] {
+                        Some(g) => drop(g.step(&step)?),
+                        None => drop(s.model.forward_cached(&step, &mut c)?),
+                    }
                 }
                 sync(dev)?;
                 if i >= args.warmup {
@@ -182,13 +208,15 @@ pub fn bench_models(
                 cache_bytes_per_step: cache,
                 decode_gb_per_s: rate.map(|r| r / 1e9),
                 bandwidth_fraction: rate.map(|r| r / copy_bytes_per_s),
+                decode_graph: graphs[k].is_some(),
             };
             if !quiet {
                 eprintln!(
-                    "model {}: batch {b}: prefill {:.0} tok/s, decode {}",
+                    "model {}: batch {b}: prefill {:.0} tok/s, decode {}{}",
                     k + 1,
                     row.prefill_tokens_per_s,
-                    row.decode_ms_per_token.map_or("n/a".into(), |d| format!("{d:.2} ms/token"))
+                    row.decode_ms_per_token.map_or("n/a".into(), |d| format!("{d:.2} ms/token")),
+                    if row.decode_graph { " (CUDA graph)" } else { "" },
                 );
             }
             out[k].push(row);
@@ -247,13 +275,21 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
             r.model, r.device, r.dtype, r.prompt_len, r.iterations, r.copy_gb_per_s
         );
         println!(
-            "{:>6} {:>14} {:>16} {:>12} {:>12} {:>12} {:>10} {:>10}",
-            "batch", "prefill tok/s", "decode ms/token", "decode tok/s", "weights MB", "cache MB", "GB/s", "of copy"
+            "{:>6} {:>14} {:>16} {:>12} {:>12} {:>12} {:>10} {:>10} {:>6}",
+            "batch",
+            "prefill tok/s",
+            "decode ms/token",
+            "decode tok/s",
+            "weights MB",
+            "cache MB",
+            "GB/s",
+            "of copy",
+            "step"
         );
         let na = || "n/a".to_string();
         for row in &r.rows {
             println!(
-                "{:>6} {:>14.0} {:>16} {:>12} {:>12.1} {:>12} {:>10} {:>10}",
+                "{:>6} {:>14.0} {:>16} {:>12} {:>12.1} {:>12} {:>10} {:>10} {:>6}",
                 row.batch,
                 row.prefill_tokens_per_s,
                 row.decode_ms_per_token.map_or_else(na, |d| format!("{d:.3}")),
@@ -262,6 +298,7 @@ pub fn run(args: &BenchArgs, quiet: bool) -> Result<()> {
                 row.cache_bytes_per_step.map_or_else(na, |c| format!("{:.1}", c as f64 / 1e6)),
                 row.decode_gb_per_s.map_or_else(na, |g| format!("{g:.0}")),
                 row.bandwidth_fraction.map_or_else(na, |f| format!("{:.1}%", 100.0 * f)),
+                if row.decode_graph { "graph" } else { "ops" },
             );
         }
     }

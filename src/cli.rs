@@ -290,6 +290,10 @@ pub struct BenchArgs {
     /// A second (pruned) model to compare against.
     #[arg(long)]
     pub compare: Option<String>,
+    /// Time the decoding step launched op by op. By default a CUDA device replays it from a
+    /// CUDA graph where the model's step allows (every layer recurrent).
+    #[arg(long)]
+    pub eager: bool,
     #[arg(long)]
     pub json: bool,
 }

@@ -15,6 +15,7 @@ pub mod config_text;
 pub mod data;
 pub mod device;
 pub mod eval;
+pub mod graph_decode;
 pub mod hub;
 pub mod inspect;
 pub mod layers;

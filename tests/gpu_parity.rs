@@ -12,10 +12,12 @@ use candle_core::{DType, Device, Tensor};
 use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver};
 use statecut::calib::{CalibSettings, Calibration};
 use statecut::checkpoint::Checkpoint;
+use statecut::graph_decode::GraphDecoder;
 use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
 
+/// The device as `--device cuda` opens it.
 fn gpu() -> Device {
-    Device::new_cuda(0).expect("a CUDA device (these tests need a GPU)")
+    statecut::device::DeviceSpec::Cuda(0).open().expect("a CUDA device (these tests need a GPU)")
 }
 
 fn load(ckpt: &Checkpoint, device: &Device, dtype: DType, grad: bool) -> Box<dyn CausalLm> {
@@ -113,6 +115,26 @@ fn check_dir(name: &str, dir: &std::path::Path) {
     let bound = 3.0 * upstream.unwrap_or(1e-2).max(1e-3);
     eprintln!("{name}: cuda bf16 decode (batch 2) vs f32 full forward relative error {err:.3e} (bound {bound:.3e})");
     assert!(err < bound, "{name}: cuda bf16 decode differs from the float32 forward by {err:.3e}");
+    // The same steps replayed from a CUDA graph give the eager steps' logits where every layer
+    // is recurrent (the fused delta-rule step and Mamba-2's general one, both in place);
+    // elsewhere the decoder refuses, saying why.
+    let mut cache = DecodeCache::default();
+    bf16.forward_cached(&two.narrow(1, 0, 20).unwrap(), &mut cache).unwrap();
+    match GraphDecoder::new(bf16.as_ref(), &cache, &two.narrow(1, 20, 1).unwrap()) {
+        Ok((mut graph, first)) => {
+            let mut replayed = vec![first];
+            for t in 21..24 {
+                replayed.push(graph.step(&two.narrow(1, t, 1).unwrap()).unwrap().copy().unwrap());
+            }
+            let err = common::rel_err(&flat(&Tensor::cat(&replayed, 1).unwrap()), &steps);
+            eprintln!("{name}: bf16 decode replayed from a CUDA graph vs eager steps relative error {err:.3e}");
+            assert!(err < 1e-6, "{name}: the replayed decoding step differs from the eager one by {err:.3e}");
+        }
+        Err(e) => {
+            eprintln!("{name}: no CUDA-graph decoding: {e:#}");
+            assert!(!matches!(name, "delta_net" | "gated_deltanet" | "mamba2"), "{name}: {e:#}");
+        }
+    }
 
     // Gradients for the Grad selector: autograd through the chunked form on the GPU against
     // the CPU kernel's backward.
@@ -313,6 +335,7 @@ fn decode_step_kernels_match_cpu() {
                         dt_bias: gated.then(|| on(&dt_bias)),
                         beta_scale: 2.0,
                         eps: 1e-6,
+                        in_place: false,
                     };
                     let s = op.run(&y.narrow(2, 0, c).unwrap()).unwrap();
                     let o = (s.v.clone() * 3.0).unwrap();
@@ -355,4 +378,71 @@ fn decode_step_kernels_match_cpu() {
         }
     }
     eprintln!("decode step kernels match their cpu halves");
+}
+
+/// The in-place halves of the step's kernels (what a replayed step runs) against their
+/// out-of-place runs: the same outputs, and the history and state they overwrite equal to the
+/// ones the out-of-place runs return. Two value heads per key head is the case where blocks
+/// share history channels.
+#[test]
+fn in_place_step_kernels_match_out_of_place() {
+    use statecut::ops::decode::{StepDims, StepInputs};
+    let gpu = gpu();
+    let rand = |shape: &[usize], s: f32| Tensor::randn(0f32, s, shape, &gpu).unwrap();
+    for (heads, v_heads, dk, dv, b) in [(6, 6, 256, 512, 3), (4, 8, 128, 128, 2), (3, 3, 100, 60, 1)] {
+        let d = StepDims { b, heads, v_heads, dk, dv, kernel: 4 };
+        let c = d.channels();
+        let x = rand(&[b, 1, c + 2 * v_heads], 1.0).to_dtype(DType::BF16).unwrap();
+        let history = rand(&[b, 3, c], 1.0);
+        let (weight, neg_a, dt_bias) = (
+            rand(&[c, 4], 0.5).to_dtype(DType::BF16).unwrap(),
+            rand(&[v_heads], 1.0).exp().unwrap().neg().unwrap(),
+            rand(&[v_heads], 1.0),
+        );
+        let op = |history: Tensor, in_place: bool| StepInputs {
+            dims: d,
+            history,
+            weight: weight.clone(),
+            bias: None,
+            b: Some(x.narrow(2, c, v_heads).unwrap()),
+            a: Some(x.narrow(2, c + v_heads, v_heads).unwrap()),
+            neg_a: Some(neg_a.clone()),
+            dt_bias: Some(dt_bias.clone()),
+            beta_scale: 1.0,
+            eps: 1e-6,
+            in_place,
+        };
+        let out_of_place = op(history.clone(), false);
+        let in_place = op(history.copy().unwrap(), true);
+        let qkv = x.narrow(2, 0, c).unwrap();
+        let (a, bb) = (out_of_place.run(&qkv).unwrap(), in_place.run(&qkv).unwrap());
+        let what = format!("h {heads}/{v_heads} dk {dk} dv {dv} b {b}");
+        for (name, u, v) in [("q", &a.q, &bb.q), ("k", &a.k, &bb.k), ("v", &a.v, &bb.v), ("beta", &a.beta, &bb.beta)] {
+            assert_eq!(flat(u), flat(v), "{what}: in-place {name}");
+        }
+        assert_eq!(flat(&a.history), flat(&in_place.history), "{what}: the history overwritten in place");
+        assert_ne!(flat(&history), flat(&in_place.history), "{what}: the in-place step left the history as it was");
+
+        let state = rand(&[b, v_heads, dk, dv], 0.1);
+        let rec = |initial| Recurrence {
+            q: &a.q,
+            k: &a.k,
+            v: &a.v,
+            beta: &a.beta,
+            g: a.g.as_ref(),
+            gk: None,
+            scale: (dk as f64).powf(-0.5),
+            rule: Rule::Delta,
+            initial,
+        };
+        let (o, next) = rec(Some(&state)).fused_with_state().unwrap();
+        let own = state.copy().unwrap();
+        let o_in_place = rec(Some(&own)).fused_in_place().unwrap();
+        assert_eq!(flat(&o), flat(&o_in_place), "{what}: in-place recurrence output");
+        assert_eq!(flat(&next), flat(&own), "{what}: the state overwritten in place");
+        // A state the op would have to convert first cannot take the write.
+        let bf16_state = state.to_dtype(DType::BF16).unwrap();
+        assert!(rec(Some(&bf16_state)).fused_in_place().is_err(), "{what}: in place over a bf16 state");
+    }
+    eprintln!("in-place step kernels match their out-of-place runs");
 }

@@ -240,7 +240,10 @@ pub enum LayerCache {
     /// The last K-1 inputs [B, K-1, C] of the layer's short conv (one depthwise conv over all
     /// its channels; `None` without one; in the activations' dtype, or float32 after a fused
     /// decoding step, which holds the same values) and the recurrent state [B, H, dk, dv].
-    Recurrent { conv: Option<Tensor>, state: Tensor },
+    /// `owned`: these tensors belong to this cache alone (see [`DecodeCache::exclusive`]), so a
+    /// step that can overwrites them in place instead of allocating new ones, as a step
+    /// replayed from a CUDA graph must.
+    Recurrent { conv: Option<Tensor>, state: Tensor, owned: bool },
     /// Keys and values of a softmax-attention layer [B, H, T, d].
     Attention { k: Tensor, v: Tensor },
     /// One cache per branch of a layer whose mixers run side by side (Falcon-H1).
@@ -251,7 +254,9 @@ impl LayerCache {
     fn elems(&self) -> usize {
         match self {
             LayerCache::Empty => 0,
-            LayerCache::Recurrent { conv, state } => state.elem_count() + conv.as_ref().map_or(0, Tensor::elem_count),
+            LayerCache::Recurrent { conv, state, .. } => {
+                state.elem_count() + conv.as_ref().map_or(0, Tensor::elem_count)
+            }
             LayerCache::Attention { k, v } => k.elem_count() + v.elem_count(),
             LayerCache::Parallel(branches) => branches.iter().map(LayerCache::elems).sum(),
         }
@@ -280,6 +285,26 @@ impl DecodeCache {
     pub fn elems(&self) -> usize {
         self.layers.iter().map(LayerCache::elems).sum()
     }
+    /// A copy whose recurrent tensors belong to it alone, float32 and contiguous, and marked
+    /// `owned`: decoding steps that can then update them in place. Clones of a cache share
+    /// their tensors, so an in-place step on one would change the others.
+    pub fn exclusive(&self) -> Result<Self> {
+        fn layer(c: &LayerCache) -> Result<LayerCache> {
+            // A compact copy: a state may be a view into its recurrence's whole output.
+            let own = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(candle_core::DType::F32)?.force_contiguous()?) };
+            Ok(match c {
+                LayerCache::Recurrent { conv, state, .. } => {
+                    LayerCache::Recurrent { conv: conv.as_ref().map(own).transpose()?, state: own(state)?, owned: true }
+                }
+                LayerCache::Attention { k, v } => LayerCache::Attention { k: k.copy()?, v: v.copy()? },
+                LayerCache::Parallel(branches) => {
+                    LayerCache::Parallel(branches.iter().map(layer).collect::<Result<_>>()?)
+                }
+                LayerCache::Empty => LayerCache::Empty,
+            })
+        }
+        Ok(Self { layers: self.layers.iter().map(layer).collect::<Result<_>>()?, pos: self.pos })
+    }
 }
 
 /// Run a layer's recurrence: computes the final state only when the observer or a decoding
@@ -288,16 +313,34 @@ pub fn run_recurrence(
     rec: &crate::ops::delta_rule::Recurrence,
     layer: usize,
     obs: &mut dyn Observer,
-    cache: Option<&mut LayerCache>,
+    mut cache: Option<&mut LayerCache>,
     conv: Option<Tensor>,
 ) -> Result<Tensor> {
     if !obs.wants_state() && cache.is_none() {
         return rec.forward().map_err(Into::into);
     }
+    // An owned cache off the CPU is updated where it lies: the state by the fused kernel, the
+    // conv history copied over the old one (the addresses a replayed step reads stay fixed).
+    if let Some(LayerCache::Recurrent { conv: history, state, owned: true }) = cache.as_deref_mut() {
+        if !state.device().is_cpu() && rec.initial.is_some_and(|s| s.id() == state.id()) {
+            // o in the values' dtype, as `forward_with_state` returns it.
+            let o = rec.fused_in_place()?.to_dtype(rec.v.dtype())?;
+            obs.state(layer, state)?;
+            match (history, conv) {
+                (Some(h), Some(new)) => h.slice_set(&new.to_dtype(h.dtype())?.contiguous()?, 0, 0)?,
+                (None, None) => {}
+                _ => bail!("layer {layer}: the conv history changed presence between decoding calls"),
+            }
+            return Ok(o);
+        }
+    }
     let (o, state) = rec.forward_with_state()?;
     obs.state(layer, &state)?;
     if let Some(c) = cache {
-        *c = LayerCache::Recurrent { conv, state };
+        // After a prompt the state may be a view into an output of all its tokens' values,
+        // which the cache would otherwise keep alive for the whole decoding session.
+        let state = if rec.q.dim(1)? > 1 { state.force_contiguous()? } else { state };
+        *c = LayerCache::Recurrent { conv, state, owned: false };
     }
     Ok(o)
 }
@@ -454,4 +497,40 @@ pub fn parse<T: serde::de::DeserializeOwned>(ckpt: &Checkpoint, value: &Value) -
             ckpt.model_type().unwrap_or_default()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn exclusive_caches_own_float32_copies() -> Result<()> {
+        let dev = Device::Cpu;
+        let conv = Tensor::randn(0f32, 1.0, (2, 3, 8), &dev)?.to_dtype(DType::BF16)?;
+        let state = Tensor::randn(0f32, 1.0, (2, 1, 4, 4), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (2, 1, 5, 4), &dev)?;
+        let cache = DecodeCache {
+            layers: vec![
+                LayerCache::Recurrent { conv: Some(conv.clone()), state: state.clone(), owned: false },
+                LayerCache::Attention { k: k.clone(), v: k.clone() },
+            ],
+            pos: 5,
+        };
+        let own = cache.exclusive()?;
+        assert_eq!(own.pos, 5);
+        let LayerCache::Recurrent { conv: Some(c), state: s, owned: true } = &own.layers[0] else {
+            panic!("the recurrent layer is not owned: {:?}", own.layers[0]);
+        };
+        assert_eq!((c.dtype(), s.dtype()), (DType::F32, DType::F32));
+        // Overwriting the copies leaves the originals as they were.
+        s.slice_set(&s.zeros_like()?, 0, 0)?;
+        assert!(state.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+        let diff = (c - conv.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        let LayerCache::Attention { k: k2, .. } = &own.layers[1] else { panic!("attention layer changed kind") };
+        k2.slice_set(&k2.zeros_like()?, 0, 0)?;
+        assert!(k.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+        Ok(())
+    }
 }

@@ -193,7 +193,7 @@ impl LinearAttention {
         };
         obs.qk_input(self.layer, x)?;
         let (prev_conv, prev_state) = match cache.as_deref() {
-            Some(LayerCache::Recurrent { conv, state }) => (conv.clone(), Some(state.clone())),
+            Some(LayerCache::Recurrent { conv, state, .. }) => (conv.clone(), Some(state.clone())),
             _ => (None, None),
         };
         let dev = x.device();
@@ -280,9 +280,12 @@ impl LinearAttention {
     fn step(&self, x: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
         let d = self.dims;
         let (b, _, _) = x.dims3()?;
-        let (LayerCache::Recurrent { conv: Some(history), state }, Some(conv)) = (&*cache, &self.conv) else {
+        let (LayerCache::Recurrent { conv: Some(history), state, owned }, Some(conv)) = (&*cache, &self.conv) else {
             anyhow::bail!("a fused decoding step needs a conv history and a recurrent state");
         };
+        // An owned cache is overwritten in place; its history is already float32 (see
+        // `DecodeCache::exclusive`), so the kernel reads and writes the cache's own buffer.
+        let in_place = *owned;
         let dtype = x.dtype();
         let p = self.proj.project(x, d)?;
         let (weight, bias) = conv.parts();
@@ -290,9 +293,10 @@ impl LinearAttention {
             Decay::PerHead { neg_a, dt_bias } => (Some(neg_a.clone()), Some(dt_bias.clone()), p.a.clone()),
             _ => (None, None, None),
         };
+        let history = if in_place { history.clone() } else { history.to_dtype(DType::F32)?.contiguous()? };
         let inputs = StepInputs {
             dims: StepDims { b, heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, kernel: weight.dim(1)? },
-            history: history.to_dtype(DType::F32)?.contiguous()?,
+            history,
             weight: weight.to_dtype(dtype)?.contiguous()?,
             bias: bias.map(|b| b.to_dtype(dtype)).transpose()?,
             b: p.b.clone(),
@@ -301,6 +305,7 @@ impl LinearAttention {
             dt_bias,
             beta_scale: self.beta_scale as f32,
             eps: L2_EPS as f32,
+            in_place,
         };
         let s = inputs.run(&p.qkv)?;
         let rec = Recurrence {
@@ -314,8 +319,13 @@ impl LinearAttention {
             rule: Rule::Delta,
             initial: Some(state),
         };
-        let (o, state) = rec.fused_with_state()?;
-        *cache = LayerCache::Recurrent { conv: Some(s.history), state };
+        let o = if in_place {
+            rec.fused_in_place()?
+        } else {
+            let (o, state) = rec.fused_with_state()?;
+            *cache = LayerCache::Recurrent { conv: Some(s.history), state, owned: false };
+            o
+        };
         let (weight, eps) = self.norm.applied();
         let gate = match self.gate {
             OutputGate::Silu => Some(p.z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?),

@@ -226,7 +226,7 @@ impl Mamba2Mixer {
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let c = &self.dims;
         let (prev_conv, prev_state) = match cache.as_deref() {
-            Some(LayerCache::Recurrent { conv, state }) => (conv.clone(), Some(state.clone())),
+            Some(LayerCache::Recurrent { conv, state, .. }) => (conv.clone(), Some(state.clone())),
             _ => (None, None),
         };
         let (b, t, _) = x.dims3()?;

@@ -83,8 +83,9 @@ fn view<'a, T: CudaDType>((s, l): (&'a CudaStorage, &Layout), what: &str) -> Res
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
-/// o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat.
-pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaStorage, Shape)> {
+/// o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat; o alone when the final state
+/// goes `in_place` over s0.
+pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) -> Result<(CudaStorage, Shape)> {
     let dev = inp.q.0.device().clone();
     let f32_view = |x, what| view::<f32>(x, what);
     let (q, k, v) =
@@ -102,9 +103,11 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaSto
     if rows > 32 {
         candle_core::bail!("recurrence: key width {} is above the kernel's 1024", d.dk);
     }
-    let n = d.b * d.t * d.h * d.dv + d.b * d.h * d.dk * d.dv;
+    let n_o = d.b * d.t * d.h * d.dv;
+    let n = if in_place { n_o } else { n_o + d.b * d.h * d.dk * d.dv };
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
+    let state_out = if in_place { s0.slice(..) } else { out.slice(n_o..) };
     // 8 warps: every block stages all of q and k for its columns, so wide blocks read less.
     let warps = 8;
     let cols_per_block = warps * (32 / r);
@@ -138,7 +141,7 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims) -> Result<(CudaSto
     let tc = tc as i32;
     let cfg = LaunchConfig { grid_dim, block_dim, shared_mem_bytes: smem as u32 };
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&q).arg(&k).arg(&v).arg(&beta).arg(g).arg(gk).arg(&s0).arg(&out);
+    builder.arg(&q).arg(&k).arg(&v).arg(&beta).arg(g).arg(gk).arg(&s0).arg(&out).arg(&state_out);
     for v in &ints {
         builder.arg(v);
     }
@@ -254,7 +257,8 @@ fn from<T: CudaDType>(s: &CudaStorage, offset: usize) -> Result<CudaView<'_, T>>
     Ok(slice.slice(offset..))
 }
 
-/// `delta_decode_prep` in kernels.cu: one block per (value head, sequence); `n` float32 outputs.
+/// `delta_decode_prep` in kernels.cu: one block per (key head, sequence); `n` float32 outputs,
+/// the shifted history the last of them unless it goes `in_place` over the history.
 pub fn decode_step(
     a: &StepArgs,
     d: &super::decode::StepDims,
@@ -262,6 +266,7 @@ pub fn decode_step(
     beta_scale: f32,
     eps: f32,
     n: usize,
+    in_place: bool,
 ) -> Result<CudaStorage> {
     let dev = a.x.0.device().clone();
     let history = from::<f32>(a.history.0, a.history.1)?;
@@ -271,9 +276,10 @@ pub fn decode_step(
     let (neg_a, dt_bias) = (neg_a.as_ref().unwrap_or(&history), dt_bias.as_ref().unwrap_or(&history));
     // SAFETY: the kernel writes every output (q, k, v, β, g and the whole history).
     let out = unsafe { dev.alloc::<f32>(n)? };
+    let history_out = if in_place { history.slice(..) } else { out.slice(n - d.b * (d.kernel - 1) * d.channels()..) };
     let ints = [d.b, d.heads, d.v_heads, d.dk, d.dv, d.kernel].map(|v| v as i32);
     let cfg = LaunchConfig {
-        grid_dim: (d.v_heads as u32, d.b as u32, 1),
+        grid_dim: (d.heads as u32, d.b as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: (2 * d.dk * 4) as u32,
     };
@@ -291,7 +297,7 @@ pub fn decode_step(
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
             builder.arg(&x).arg(&xs).arg(&history).arg(&w).arg(bias).arg(bv).arg(&bs).arg(av).arg(&as_);
-            builder.arg(neg_a).arg(dt_bias).arg(&out);
+            builder.arg(neg_a).arg(dt_bias).arg(&out).arg(&history_out);
             for v in &ints {
                 builder.arg(v);
             }

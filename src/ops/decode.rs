@@ -89,6 +89,9 @@ pub struct StepInputs {
     pub dt_bias: Option<Tensor>,
     pub beta_scale: f32,
     pub eps: f32,
+    /// Write the shifted history over `history` itself instead of into the output (a step
+    /// replayed from a CUDA graph reads and writes fixed addresses). GPU only.
+    pub in_place: bool,
 }
 
 /// [`StepInputs`]' output, split.
@@ -101,7 +104,7 @@ pub struct Step {
     /// [B, 1, Hv]
     pub beta: Tensor,
     pub g: Option<Tensor>,
-    /// [B, K-1, C] float32
+    /// [B, K-1, C] float32: the op's `history` itself when it ran in place
     pub history: Tensor,
 }
 
@@ -119,7 +122,11 @@ impl StepInputs {
             v: part(2)?.reshape((b, 1, hv, d.dv))?,
             beta: part(3)?.reshape((b, 1, hv))?,
             g: if self.a.is_some() { Some(part(4)?.reshape((b, 1, hv))?) } else { None },
-            history: part(5)?.reshape((b, d.kernel - 1, d.channels()))?,
+            history: if self.in_place {
+                self.history.clone()
+            } else {
+                part(5)?.reshape((b, d.kernel - 1, d.channels()))?
+            },
         })
     }
 
@@ -264,6 +271,9 @@ impl CustomOp1 for StepInputs {
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let xr = Rows::of(l, "decode step input")?;
         self.check(&xr)?;
+        if self.in_place {
+            candle_core::bail!("decode step: the in-place step runs on a GPU only");
+        }
         let out = match x {
             CpuStorage::F32(x) => self.cpu(x, xr)?,
             CpuStorage::BF16(x) => self.cpu(x, xr)?,
@@ -294,8 +304,8 @@ impl CustomOp1 for StepInputs {
             neg_a: na.as_ref().map(on_gpu).transpose()?,
             dt_bias: dt.as_ref().map(on_gpu).transpose()?,
         };
-        let n = d.offsets()[6];
-        let out = super::cuda::decode_step(&args, &d, self.flags(), self.beta_scale, self.eps, n)?;
+        let n = d.offsets()[if self.in_place { 5 } else { 6 }];
+        let out = super::cuda::decode_step(&args, &d, self.flags(), self.beta_scale, self.eps, n, self.in_place)?;
         Ok((out, Shape::from(n)))
     }
 }
@@ -418,6 +428,7 @@ mod tests {
             dt_bias: Some(dt_bias.clone()),
             beta_scale: 2.0,
             eps: 1e-6,
+            in_place: false,
         };
         let s = op.run(&qkv)?;
 

@@ -323,6 +323,8 @@ struct FusedOp {
     gk: Option<Tensor>,
     /// [B,H,dk,dv] float32 initial state
     s0: Tensor,
+    /// The final state goes over `s0` (GPU only); the output is o alone.
+    in_place: bool,
 }
 
 impl FusedOp {
@@ -392,6 +394,9 @@ impl CustomOp3 for FusedOp {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims(ql.shape(), kl.shape(), vl.shape())?;
+        if self.in_place {
+            candle_core::bail!("recurrence: the in-place step runs on a GPU only");
+        }
         let slice = |s: &CpuStorage, l: &Layout| -> Result<Vec<f32>> {
             let (a, b) = super::contiguous(l, "recurrence")?;
             Ok(s.as_slice::<f32>()?[a..b].to_vec())
@@ -444,7 +449,7 @@ impl CustomOp3 for FusedOp {
             gk: gk.as_ref().map(|(s, l)| on_gpu(s, l)).transpose()?,
             s0: on_gpu(&s0.0, s0.1)?,
         };
-        super::cuda::recurrence(&inputs, &dims)
+        super::cuda::recurrence(&inputs, &dims, self.in_place)
     }
 }
 
@@ -567,6 +572,25 @@ impl Recurrence<'_> {
     /// Outputs o [B, T, H, dv] and the final state [B, H, dk, dv], both float32 on the inputs'
     /// device, through [`FusedOp`].
     pub fn fused_with_state(&self) -> Result<(Tensor, Tensor)> {
+        let (o, s) = self.fused(false)?;
+        Ok((o, s.expect("an out-of-place recurrence returns its state")))
+    }
+
+    /// o [B, T, H, dv] float32, the final state written over the initial one: a step replayed
+    /// from a CUDA graph must read and write its state at fixed addresses. The initial state
+    /// must be float32, contiguous and on the inputs' device (a converted copy would take the
+    /// write instead); GPU only.
+    pub fn fused_in_place(&self) -> Result<Tensor> {
+        let ok = self
+            .initial
+            .is_some_and(|s| s.dtype() == DType::F32 && s.is_contiguous() && s.device().same_device(self.q.device()));
+        if !ok {
+            candle_core::bail!("recurrence: an in-place step needs a float32 contiguous state on the inputs' device");
+        }
+        Ok(self.fused(true)?.0)
+    }
+
+    fn fused(&self, in_place: bool) -> Result<(Tensor, Option<Tensor>)> {
         let dev = self.q.device();
         let op = self.op()?;
         let f = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32)?.contiguous();
@@ -580,15 +604,18 @@ impl Recurrence<'_> {
             (None, Some(_)) => Some(Tensor::zeros(self.beta.shape(), DType::F32, dev)?),
             (g, _) => g.map(f).transpose()?,
         };
-        let fused = FusedOp { beta: f(self.beta)?, g, gk: self.gk.map(f).transpose()?, s0, op };
+        let fused = FusedOp { beta: f(self.beta)?, g, gk: self.gk.map(f).transpose()?, s0, op, in_place };
         let (q, k, v) = (f(self.q)?, f(self.k)?, f(self.v)?);
         crate::profile::mark("recurrence: inputs to float32", dev);
         let out = q.apply_op3_no_bwd(&k, &v, &fused)?;
         let (dk, dv) = (fused.op.dk, fused.op.dv);
         let n = b * t * h * dv;
         let o = out.narrow(0, 0, n)?.reshape((b, t, h, dv))?;
+        if in_place {
+            return Ok((o, None));
+        }
         let s = out.narrow(0, n, b * h * dk * dv)?.reshape((b, h, dk, dv))?;
-        Ok((o, s))
+        Ok((o, Some(s)))
     }
 
     /// [`Self::forward`] on the sequential kernel, whatever the device.

@@ -89,13 +89,15 @@ GATED_RMS(gated_rms_f16, __half)
 // `tc` time steps of its inputs in shared memory at a time with coalesced loads, which takes the
 // global-memory latency off the per-step critical path; interleaved rows keep the R threads of a
 // column on distinct banks.
-// Output: o [B, T, H, dv] followed by the final state [B, H, dk, dv].
+// Output: o [B, T, H, dv] to `out`, the final state [B, H, dk, dv] to `state_out`, which may be
+// s0 itself (an in-place step: every thread reads its state before the loop and writes the same
+// elements after it).
 template <int MAXR, bool GK, bool FULL>
 __device__ void recurrence(const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v,
                            const float *__restrict__ beta, const float *__restrict__ g,
-                           const float *__restrict__ gk, const float *__restrict__ s0, float *__restrict__ out,
-                           int B, int T, int H, int dk, int dv, int R, int rows, int gated, int delta, float scale,
-                           int tc) {
+                           const float *__restrict__ gk, const float *s0, float *__restrict__ out,
+                           float *state_out, int B, int T, int H, int dk, int dv, int R, int rows, int gated,
+                           int delta, float scale, int tc) {
   extern __shared__ float stage[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane % R;
@@ -192,7 +194,7 @@ __device__ void recurrence(const float *__restrict__ q, const float *__restrict_
       if (r == 0 && valid) out[(((int64_t)b * T + t0 + st) * H + h) * dv + col] = scale * acc;
     }
   }
-  float *state = out + (int64_t)B * T * H * dv + (int64_t)bh * dk * dv;
+  float *state = state_out + (int64_t)bh * dk * dv;
 #pragma unroll
   for (int m = 0; m < MAXR; m++) {
     const int i = m * R + r;
@@ -205,10 +207,10 @@ __device__ void recurrence(const float *__restrict__ q, const float *__restrict_
 #define REC1(MAXR, GK, FULL, SUFFIX)                                                               \
   extern "C" __global__ void recurrence_##MAXR##_##SUFFIX(                                         \
       const float *q, const float *k, const float *v, const float *beta, const float *g,          \
-      const float *gk, const float *s0, float *out, int B, int T, int H, int dk, int dv, int R,   \
-      int rows, int gated, int delta, float scale, int tc) {                                       \
-    recurrence<MAXR, GK, FULL>(q, k, v, beta, g, gk, s0, out, B, T, H, dk, dv, R, rows, gated,    \
-                               delta, scale, tc);                                                  \
+      const float *gk, const float *s0, float *out, float *state_out, int B, int T, int H, int dk, \
+      int dv, int R, int rows, int gated, int delta, float scale, int tc) {                        \
+    recurrence<MAXR, GK, FULL>(q, k, v, beta, g, gk, s0, out, state_out, B, T, H, dk, dv, R, rows, \
+                               gated, delta, scale, tc);                                           \
   }
 #define REC(MAXR)                  \
   REC1(MAXR, false, false, 00)     \
@@ -231,8 +233,8 @@ template <int ROWS, int R, int DECAY>
 __device__ void recurrence_tiled(const float *__restrict__ q, const float *__restrict__ k,
                                  const float *__restrict__ v, const float *__restrict__ beta,
                                  const float *__restrict__ g, const float *__restrict__ gk,
-                                 const float *__restrict__ s0, float *__restrict__ out, int B, int T, int H,
-                                 int dv, int delta, float scale, int tc) {
+                                 const float *s0, float *__restrict__ out, float *state_out, int B, int T,
+                                 int H, int dv, int delta, float scale, int tc) {
   constexpr int DK = ROWS * R, CPW = 32 / R, G = ROWS / 4;
   constexpr bool GK = DECAY == 2;
   constexpr int GKB = 2 * DK, VB = GK ? 3 * DK : 2 * DK;
@@ -348,7 +350,7 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
     }
     __syncthreads();  // chunk c is consumed before its buffer is refilled
   }
-  float *state = out + (int64_t)B * T * H * dv + (int64_t)bh * DK * dv;
+  float *state = state_out + (int64_t)bh * DK * dv;
   if (valid) {
 #pragma unroll
     for (int g = 0; g < G; g++)
@@ -361,9 +363,10 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
 #define TILED1(ROWS, R, DECAY)                                                                      \
   extern "C" __global__ void __launch_bounds__(256) recurrence_t##ROWS##_##R##_##DECAY(             \
       const float *q, const float *k, const float *v, const float *beta, const float *g,           \
-      const float *gk, const float *s0, float *out, int B, int T, int H, int dv, int delta,         \
-      float scale, int tc) {                                                                        \
-    recurrence_tiled<ROWS, R, DECAY>(q, k, v, beta, g, gk, s0, out, B, T, H, dv, delta, scale, tc); \
+      const float *gk, const float *s0, float *out, float *state_out, int B, int T, int H, int dv,   \
+      int delta, float scale, int tc) {                                                             \
+    recurrence_tiled<ROWS, R, DECAY>(q, k, v, beta, g, gk, s0, out, state_out, B, T, H, dv, delta,  \
+                                     scale, tc);                                                    \
   }
 #define TILED_R(ROWS, R) TILED1(ROWS, R, 0) TILED1(ROWS, R, 1) TILED1(ROWS, R, 2)
 #define TILED(ROWS) \
@@ -388,74 +391,77 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
 
 __device__ __forceinline__ float softplus_f(float x) { return fmaxf(x, 0.0f) + logf(1.0f + expf(-fabsf(x))); }
 
-// The inputs of one recurrence step from a layer's projections, for one (sequence b, value head
-// hv) per block: the short conv over [q | k | v] continued from the float32 history
-// conv_state [B, K-1, C], SiLU (rounded to T, as the conv's output is), L2-normed q and k of key
-// head hv / r, β = beta_scale · sigmoid(b) and g = neg_a · softplus(a + dt_bias).
+// The inputs of one recurrence step from a layer's projections, for one (sequence b, key head
+// kh) per block and the r = Hv / H value heads that read it: the short conv over [q | k | v]
+// continued from the float32 history conv_state [B, K-1, C], SiLU (rounded to T, as the conv's
+// output is), L2-normed q and k (repeated for each of the r value heads), β = beta_scale ·
+// sigmoid(b) and g = neg_a · softplus(a + dt_bias).
 // x, b, a are rows of B (the row strides given). flags: 1 bias, 2 b (else β = 1), 4 a (else g = 0);
 // an absent input's pointer is never read.
-// out (float32): q [B,Hv,dk] | k [B,Hv,dk] | v [B,Hv,dv] | β [B,Hv] | g [B,Hv] | conv_state'
-// [B,K-1,C]; the history's q/k channels are written by the first value head of each key head.
+// out (float32): q [B,Hv,dk] | k [B,Hv,dk] | v [B,Hv,dv] | β [B,Hv] | g [B,Hv]; the shifted history
+// [B,K-1,C] goes to st_out, which may be conv_state itself (an in-place step): each channel is
+// read and written by one thread alone.
 template <typename T>
-__device__ void delta_decode_prep(const T *__restrict__ x, long long xs, const float *__restrict__ conv_state,
+__device__ void delta_decode_prep(const T *__restrict__ x, long long xs, const float *conv_state,
                                   const T *__restrict__ w, const T *__restrict__ bias, const T *__restrict__ bv,
                                   long long bs, const T *__restrict__ av, long long as, const float *__restrict__ neg_a,
-                                  const float *__restrict__ dt_bias, float *__restrict__ out, int B, int H, int Hv,
-                                  int dk, int dv, int K, int flags, float beta_scale, float eps) {
+                                  const float *__restrict__ dt_bias, float *__restrict__ out, float *st_out, int B,
+                                  int H, int Hv, int dk, int dv, int K, int flags, float beta_scale, float eps) {
   extern __shared__ float qk[];  // 2 dk
   __shared__ float red[32];
-  const int b = blockIdx.y, hv = blockIdx.x, kh = hv / (Hv / H);
-  const bool writes_qk = hv % (Hv / H) == 0;
+  const int b = blockIdx.y, kh = blockIdx.x, r = Hv / H, hv0 = kh * r;
   const int kd = H * dk, C = 2 * kd + Hv * dv;
   const T *xr = x + (long long)b * xs;
   const float *st = conv_state + (long long)b * (K - 1) * C;
+  float *sto = st_out + (long long)b * (K - 1) * C;
   float *q_out = out, *k_out = out + (long long)B * Hv * dk, *v_out = k_out + (long long)B * Hv * dk;
   float *beta_out = v_out + (long long)B * Hv * dv, *g_out = beta_out + (long long)B * Hv;
-  float *st_out = g_out + (long long)B * Hv + (long long)b * (K - 1) * C;
-  // Channel c's conv output, rounded to T, and its history shifted by one step.
-  auto conv = [&](int c, bool write) {
+  // Channel c's conv output, rounded to T, and its history shifted by one step (every read of
+  // the history comes before the write that could overwrite it).
+  auto conv = [&](int c) {
     const float xc = to_f(xr[c]);
     float acc = (flags & 1) ? to_f(bias[c]) : 0.0f;
     for (int i = 0; i < K - 1; i++) acc += to_f(w[c * K + i]) * st[(long long)i * C + c];
     acc += to_f(w[c * K + K - 1]) * xc;
-    if (write) {
-      for (int i = 0; i + 1 < K - 1; i++) st_out[(long long)i * C + c] = st[(long long)(i + 1) * C + c];
-      if (K > 1) st_out[(long long)(K - 2) * C + c] = xc;
-    }
+    for (int i = 0; i + 1 < K - 1; i++) sto[(long long)i * C + c] = st[(long long)(i + 1) * C + c];
+    if (K > 1) sto[(long long)(K - 2) * C + c] = xc;
     return to_f(from_f<T>(acc / (1.0f + expf(-acc))));
   };
   float sq = 0.0f, sk = 0.0f;
   for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-    const float qi = conv(kh * dk + i, writes_qk), ki = conv(kd + kh * dk + i, writes_qk);
+    const float qi = conv(kh * dk + i), ki = conv(kd + kh * dk + i);
     qk[i] = qi;
     qk[dk + i] = ki;
     sq += qi * qi;
     sk += ki * ki;
   }
-  for (int j = threadIdx.x; j < dv; j += blockDim.x)
-    v_out[((long long)b * Hv + hv) * dv + j] = conv(2 * kd + hv * dv + j, true);
+  // The value heads hv0 .. hv0 + r - 1 own consecutive channels.
+  for (int j = threadIdx.x; j < r * dv; j += blockDim.x)
+    v_out[((long long)b * Hv + hv0) * dv + j] = conv(2 * kd + hv0 * dv + j);
   sq = block_sum(sq, red);
   sk = block_sum(sk, red);
   const float iq = rsqrtf(sq + eps), ik = rsqrtf(sk + eps);
-  for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-    q_out[((long long)b * Hv + hv) * dk + i] = qk[i] * iq;
-    k_out[((long long)b * Hv + hv) * dk + i] = qk[dk + i] * ik;
+  for (int e = threadIdx.x; e < r * dk; e += blockDim.x) {
+    const int i = e % dk;
+    q_out[((long long)b * Hv + hv0) * dk + e] = qk[i] * iq;
+    k_out[((long long)b * Hv + hv0) * dk + e] = qk[dk + i] * ik;
   }
-  if (threadIdx.x == 0) {
+  for (int j = threadIdx.x; j < r; j += blockDim.x) {
+    const int hv = hv0 + j;
     const long long o = (long long)b * Hv + hv;
     beta_out[o] = (flags & 2) ? beta_scale / (1.0f + expf(-to_f(bv[(long long)b * bs + hv]))) : 1.0f;
     g_out[o] = (flags & 4) ? neg_a[hv] * softplus_f(to_f(av[(long long)b * as + hv]) + dt_bias[hv]) : 0.0f;
   }
 }
 
-#define DECODE_PREP(NAME, T)                                                                          \
-  extern "C" __global__ void NAME(const T *x, long long xs, const float *conv_state, const T *w,      \
-                                  const T *bias, const T *bv, long long bs, const T *av, long long as, \
-                                  const float *neg_a, const float *dt_bias, float *out, int B, int H,  \
-                                  int Hv, int dk, int dv, int K, int flags, float beta_scale,          \
-                                  float eps) {                                                         \
-    delta_decode_prep<T>(x, xs, conv_state, w, bias, bv, bs, av, as, neg_a, dt_bias, out, B, H, Hv, dk, \
-                         dv, K, flags, beta_scale, eps);                                                \
+#define DECODE_PREP(NAME, T)                                                                           \
+  extern "C" __global__ void NAME(const T *x, long long xs, const float *conv_state, const T *w,       \
+                                  const T *bias, const T *bv, long long bs, const T *av, long long as,  \
+                                  const float *neg_a, const float *dt_bias, float *out, float *st_out,  \
+                                  int B, int H, int Hv, int dk, int dv, int K, int flags,               \
+                                  float beta_scale, float eps) {                                        \
+    delta_decode_prep<T>(x, xs, conv_state, w, bias, bv, bs, av, as, neg_a, dt_bias, out, st_out, B, H,  \
+                         Hv, dk, dv, K, flags, beta_scale, eps);                                         \
   }
 DECODE_PREP(delta_decode_prep_f32, float)
 DECODE_PREP(delta_decode_prep_bf16, __nv_bfloat16)

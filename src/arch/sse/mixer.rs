@@ -387,7 +387,7 @@ impl Mixer {
         let d = self.d;
         let (b, t, _) = x.dims3()?;
         let (prev_conv, prev_state) = match cache.as_deref() {
-            Some(LayerCache::Recurrent { conv, state }) => (conv.as_ref(), Some(state)),
+            Some(LayerCache::Recurrent { conv, state, .. }) => (conv.as_ref(), Some(state)),
             _ => (None, None),
         };
         let (f, conv_state) = self.features(x, obs, prev_conv)?;
@@ -406,7 +406,7 @@ impl Mixer {
                 obs.state(self.layer, &hm)?;
             }
             if let Some(c) = cache {
-                *c = LayerCache::Recurrent { conv: conv_state, state: s };
+                *c = LayerCache::Recurrent { conv: conv_state, state: s, owned: false };
             }
             o
         } else {
