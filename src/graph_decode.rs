@@ -4,8 +4,9 @@
 //! A replay reads and writes the addresses the capture saw. So the token ids and the logits
 //! live in buffers of the decoder's own, and the cache is a [`DecodeCache::exclusive`] copy
 //! whose layers' steps update their state in place. The temporaries a step allocates are
-//! stream-ordered allocations, which the capture records as the graph's own memory: a replay
-//! allocates nothing on the host.
+//! stream-ordered allocations, which the capture records as the graph's own memory, and the
+//! shapes and strides candle uploads for some kernels come from its parameter cache: a replay
+//! allocates and uploads nothing.
 
 use crate::arch::{CausalLm, DecodeCache, LayerCache};
 use anyhow::{bail, Context, Result};
@@ -19,8 +20,10 @@ struct Graph;
 
 /// Replays one model's decoding step; see the module docs.
 pub struct GraphDecoder<'a> {
+    /// The graph reads the model's weights where they lie: it must not outlive them.
     _model: &'a dyn CausalLm,
-    cache: DecodeCache,
+    /// The states and conv histories the graph updates in place.
+    _cache: DecodeCache,
     ids: Tensor,
     logits: Tensor,
     graph: Graph,
@@ -70,7 +73,7 @@ impl<'a> GraphDecoder<'a> {
         }
         let logits = first.contiguous()?.copy()?;
         let graph = capture(model, &mut cache, &ids, &logits)?;
-        Ok((Self { _model: model, cache, ids, logits, graph }, first))
+        Ok((Self { _model: model, _cache: cache, ids, logits, graph }, first))
     }
 
     /// Logits [B, 1, V] for the next tokens `ids` [B, 1]: one graph launch. The tensor is the
@@ -79,11 +82,6 @@ impl<'a> GraphDecoder<'a> {
         self.ids.slice_set(&ids.contiguous()?, 0, 0).context("token ids must have the captured batch shape")?;
         self.launch()?;
         Ok(self.logits.clone())
-    }
-
-    /// The cache as the replayed steps left it.
-    pub fn cache(&self) -> &DecodeCache {
-        &self.cache
     }
 
     #[cfg(feature = "cuda")]
@@ -105,6 +103,10 @@ fn capture(model: &dyn CausalLm, cache: &mut DecodeCache, ids: &Tensor, logits: 
     use candle_core::cuda_backend::cudarc::driver::sys;
     let Device::Cuda(dev) = model.device() else { bail!("a replayed decoding step needs a CUDA device") };
     let stream = dev.cuda_stream();
+    // cudarc's per-buffer events would be recorded into the graph and waited on outside it.
+    if stream.context().is_event_tracking() {
+        bail!("a replayed decoding step needs the device opened without event tracking (as `--device cuda` opens it)");
+    }
     model.device().synchronize()?;
     let err = |what: &str, e| anyhow::anyhow!("{what} the decoding step as a CUDA graph: {e:?}");
     stream
