@@ -155,7 +155,7 @@ pub fn bench_models(
             .collect();
         // On CUDA the step is captured once per batch size and replayed, where the model allows.
         let mut graphs: Vec<Option<GraphDecoder>> = Vec::new();
-        for (s, cache) in subjects.iter().zip(&caches) {
+        for (k, (s, cache)) in subjects.iter().zip(&caches).enumerate() {
             let dev = s.model.device();
             let graph = match cache {
                 Some(c) if dev.is_cuda() && !args.eager => {
@@ -163,7 +163,7 @@ pub fn bench_models(
                         Ok((g, _)) => Some(g),
                         Err(e) => {
                             if !quiet {
-                                eprintln!("batch {b}: decoding op by op: {e:#}");
+                                eprintln!("model {}: batch {b}: decoding op by op: {e:#}", k + 1);
                             }
                             None
                         }
