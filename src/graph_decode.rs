@@ -57,7 +57,17 @@ impl<'a> GraphDecoder<'a> {
         // alive instead of host memory long gone by the replay.
         #[cfg(feature = "cuda")]
         let _params = match model.device() {
-            Device::Cuda(d) => Some(d.enable_cuda_graph_htod_cache()),
+            Device::Cuda(d) => {
+                // cudarc's per-buffer events would be recorded into the graph and waited on
+                // outside it.
+                if d.cuda_stream().context().is_event_tracking() {
+                    bail!(
+                        "a replayed decoding step needs the device opened without event tracking (as `--device cuda` \
+                         opens it)"
+                    );
+                }
+                Some(d.enable_cuda_graph_htod_cache())
+            }
             _ => None,
         };
         let mut cache = cache.exclusive()?;
@@ -103,10 +113,6 @@ fn capture(model: &dyn CausalLm, cache: &mut DecodeCache, ids: &Tensor, logits: 
     use candle_core::cuda_backend::cudarc::driver::sys;
     let Device::Cuda(dev) = model.device() else { bail!("a replayed decoding step needs a CUDA device") };
     let stream = dev.cuda_stream();
-    // cudarc's per-buffer events would be recorded into the graph and waited on outside it.
-    if stream.context().is_event_tracking() {
-        bail!("a replayed decoding step needs the device opened without event tracking (as `--device cuda` opens it)");
-    }
     model.device().synchronize()?;
     let err = |what: &str, e| anyhow::anyhow!("{what} the decoding step as a CUDA graph: {e:?}");
     stream
