@@ -25,6 +25,10 @@
 #                         kernels, original vs pruned (scripts/state_step_bench.py)
 #   kernels:NAME          statecut eval throughput with the fused kernel vs the chunked recurrence
 #   profile:NAME          where statecut's calibration pass spends its time (STATECUT_PROFILE=1)
+#   calib:NAME            calibration before and after a change, in one call: for statecut and, when
+#                         BUNDLE holds statecut_before.xz (another build), for it too, taking turns:
+#                         the profile of 32 x 2048 tokens, then prune's stage times for 128 x 2048
+#                         tokens; logs and stage seconds as calib_{profile,full}_{after,before}_NAME.*
 #   stream:NAME           statecut prune resident, then layer-streamed under --max-device-memory
 #                         $BUDGET (default 4GiB): wall time, peak GPU memory, and whether both kept
 #                         the same channels
@@ -49,7 +53,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site
 LIBS=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="$LIBS:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for b in statecut gpu_parity; do
+for b in statecut statecut_before gpu_parity; do
   [ -f "$BUNDLE/$b.xz" ] && xz -dc "$BUNDLE/$b.xz" > /tmp/$b && chmod +x /tmp/$b
 done
 SC=/tmp/statecut
@@ -85,7 +89,7 @@ ensure() {
 for stage in "$@"; do
   name=${stage#*:}
   case $stage in
-    statecut:*|reference:*|kernels:*|profile:*|stream:*|streamonly:*) ensure "$name" ;;
+    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*) ensure "$name" ;;
     decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
@@ -157,6 +161,26 @@ EOF
       STATECUT_PROFILE=1 $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 32 \
         --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-profiled > "$OUT/profile_$name.log" 2>&1
       echo "profile rc $?"; tail -16 "$OUT/profile_$name.log"; rm -rf $CK/$name-profiled ;;
+    calib:*)
+      bins="after"; [ -x /tmp/statecut_before ] && bins="after before"
+      # A fresh machine's first run pays one-off loading (10 s of it in the first MLP): warm up.
+      $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 2 --seqlen 2048 --device cuda \
+        --dtype bf16 -q -o $CK/$name-calib > /dev/null 2>&1; rm -rf $CK/$name-calib
+      for kind in profile full; do
+        for which in $bins; do
+          bin=$SC; [ $which = before ] && bin=/tmp/statecut_before
+          n=128; envs=""; [ $kind = profile ] && n=32 && envs=STATECUT_PROFILE=1
+          log="$OUT/calib_${kind}_${which}_$name"
+          rm -rf $CK/$name-calib
+          env $envs $bin prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples $n --seqlen 2048 \
+            --device cuda --dtype bf16 -q -o $CK/$name-calib > "$log.log" 2>&1
+          echo "calib $kind $which rc $?"
+          python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['seconds']))" \
+            $CK/$name-calib/statecut_report.json > "$log.seconds.json" && cat "$log.seconds.json"
+          [ $kind = profile ] && grep -E "^(total|recurrence|mlp)" "$log.log"
+        done
+      done
+      rm -rf $CK/$name-calib ;;
     stream:*)
       for mode in resident streamed; do
         flags=""; [ $mode = streamed ] && flags="--max-device-memory ${BUDGET:-4GiB}"

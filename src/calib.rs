@@ -328,13 +328,19 @@ impl Observer for Collector {
             return Ok(());
         }
         let d = x.dim(2)?;
-        let x = x.to_dtype(DType::F32)?;
         let n = x.elem_count() / d;
-        // Σ over tokens as a [1, n] x [n, d] product: a column sum candle would do strided.
-        let ones = Tensor::ones((1, n), DType::F32, x.device())?;
         // Each pass's float32 sum is accumulated in float64, left on the device until `sync` so
         // that the forward pass does not wait for the host.
-        let sq = ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?.to_dtype(DType::F64)?;
+        let sq = if x.device().is_cpu() {
+            // Σ over tokens as a [1, n] x [n, d] product: a column sum candle would do strided.
+            let x = x.to_dtype(DType::F32)?;
+            let ones = Tensor::ones((1, n), DType::F32, x.device())?;
+            ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?
+        } else {
+            // One pass over x in its own dtype instead of four float32 ones.
+            crate::ops::prep::column_sums_of_squares(&x.detach())?
+        };
+        let sq = sq.to_dtype(DType::F64)?;
         let acc = match self.pending.remove(&layer) {
             Some((a, c)) => ((a + sq)?, c + n as u64),
             None => (sq, n as u64),

@@ -446,3 +446,78 @@ fn in_place_step_kernels_match_out_of_place() {
     }
     eprintln!("in-place step kernels match their out-of-place runs");
 }
+
+/// The prefill's fused kernels against their CPU halves (or, for the conv, the CPU's candle
+/// ops) on shapes that cross their tiles: the short conv on a column slice of a wider matrix
+/// (K within and beyond the kernel's register window), the recurrence inputs (one and two value
+/// heads per key head, a width that is not a multiple of 32), the column sums of squares over
+/// several chunks, the output norm over many tokens, and SwiGLU over many rows.
+#[test]
+fn prefill_kernels_match_cpu() {
+    use statecut::ops::conv::ShortConv;
+    use statecut::ops::decode::OutNorm;
+    use statecut::ops::prep::{column_sums_of_squares, QkvPrep};
+    let (gpu, cpu) = (gpu(), Device::Cpu);
+    let rand = |shape: &[usize], s: f32| Tensor::randn(0f32, s, shape, &cpu).unwrap();
+    let tol = |dtype| if dtype == DType::BF16 { 5e-3 } else { 1e-5 };
+    let both = |f: &dyn Fn(&Device) -> Tensor| (flat(&f(&cpu)), flat(&f(&gpu)));
+    for dtype in [DType::F32, DType::BF16] {
+        for (k, t) in [(4, 37), (2, 16), (10, 5)] {
+            let c = 70;
+            let wide = rand(&[3, t, c + 9], 1.0).to_dtype(dtype).unwrap();
+            let conv_w = rand(&[c, 1, k], 0.5).to_dtype(dtype).unwrap();
+            let bias = rand(&[c], 0.5).to_dtype(dtype).unwrap();
+            // The CPU's candle ops run in float32 on the same values and round once, as the
+            // kernel does (bf16 ops would round after every tap).
+            let (want, got) = both(&|dev| {
+                let on = |t: &Tensor| {
+                    let t = t.to_device(dev).unwrap();
+                    if dev.is_cpu() {
+                        t.to_dtype(DType::F32).unwrap()
+                    } else {
+                        t
+                    }
+                };
+                let conv = ShortConv::new(on(&conv_w), Some(on(&bias))).unwrap();
+                let x = on(&wide).narrow(2, 4, c).unwrap();
+                conv.forward_silu_cached(&x, None).unwrap().0.to_dtype(dtype).unwrap()
+            });
+            let err = common::rel_err(&got, &want);
+            assert!(err < tol(dtype), "conv k {k} t {t} {dtype:?}: {err:.3e}");
+        }
+        for (heads, v_heads, dk, dv) in [(4, 4, 128, 128), (2, 4, 100, 60)] {
+            let p = QkvPrep { heads, v_heads, dk, dv, eps: 1e-6 };
+            let c = 2 * heads * dk + v_heads * dv;
+            let wide = rand(&[2, 33, c + 5], 1.0).to_dtype(dtype).unwrap();
+            let (want, got) = both(&|dev| {
+                let (q, k, v) = p.run(&wide.to_device(dev).unwrap().narrow(2, 5, c).unwrap()).unwrap();
+                Tensor::cat(&[q.flatten_all().unwrap(), k.flatten_all().unwrap(), v.flatten_all().unwrap()], 0).unwrap()
+            });
+            let err = common::rel_err(&got, &want);
+            assert!(err < 1e-6, "recurrence inputs h {heads}/{v_heads} dk {dk} {dtype:?}: {err:.3e}");
+        }
+        let wide = rand(&[3, 700, 130], 1.0).to_dtype(dtype).unwrap();
+        let (want, got) =
+            both(&|dev| column_sums_of_squares(&wide.to_device(dev).unwrap().narrow(2, 1, 128).unwrap()).unwrap());
+        let err = common::rel_err(&got, &want);
+        assert!(err < 1e-6, "column sums {dtype:?}: {err:.3e}");
+        let (b, t, hv, dv) = (2, 19, 3, 96);
+        let o = rand(&[b, t, hv, dv], 1.0);
+        let z = rand(&[b, t, hv * dv + 7], 1.0).to_dtype(dtype).unwrap();
+        let w = (rand(&[dv], 0.1) + 1.0).unwrap();
+        for gated in [false, true] {
+            let (want, got) = both(&|dev| {
+                let gate = gated.then(|| z.to_device(dev).unwrap().narrow(2, 7, hv * dv).unwrap());
+                let norm = OutNorm { weight: w.to_device(dev).unwrap(), gate, dtype, eps: 1e-5 };
+                o.to_device(dev).unwrap().apply_op1_no_bwd(&norm).unwrap()
+            });
+            let err = common::rel_err(&got, &want);
+            assert!(err < tol(dtype), "output norm over {t} tokens, gated {gated}, {dtype:?}: {err:.3e}");
+        }
+        let x = rand(&[4, 33, 2 * 300], 1.0).to_dtype(dtype).unwrap();
+        let (want, got) = both(&|dev| x.to_device(dev).unwrap().apply_op1_no_bwd(&statecut::ops::mlp::Swiglu).unwrap());
+        let err = common::rel_err(&got, &want);
+        assert!(err < tol(dtype), "swiglu {dtype:?}: {err:.3e}");
+    }
+    eprintln!("prefill kernels match their cpu halves");
+}

@@ -9,6 +9,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::norm::{l2_norm, RmsNorm};
+use crate::ops::prep::QkvPrep;
 use crate::ops::{repeat_heads, softplus};
 use crate::profile::mark;
 use anyhow::Result;
@@ -209,10 +210,13 @@ impl LinearAttention {
         };
         mark("short conv + silu", dev);
         let kd = d.heads * d.dk;
-        let q = mixed.narrow(2, 0, kd)?.reshape((b, t, d.heads, d.dk))?;
-        let k = mixed.narrow(2, kd, kd)?.reshape((b, t, d.heads, d.dk))?;
-        let v = mixed.narrow(2, 2 * kd, d.v_heads * d.dv)?.reshape((b, t, d.v_heads, d.dv))?;
-        obs.qk(self.layer, &q, &k)?;
+        // Off the CPU and without a gradient, one kernel makes the recurrence's float32 inputs;
+        // the observer's bf16 copies of q and k are made only for an observer that looks.
+        let fused = crate::ops::fusable(&[&mixed]);
+        let head = |off: usize, heads: usize, w: usize| mixed.narrow(2, off, heads * w)?.reshape((b, t, heads, w));
+        if !(fused && obs.passive()) {
+            obs.qk(self.layer, &head(0, d.heads, d.dk)?, &head(kd, d.heads, d.dk)?)?;
+        }
         mark("observer", dev);
         // Gates, β and the L2 norms in float32, as the upstream kernels compute them: bf16 gates
         // compound over the sequence.
@@ -232,8 +236,15 @@ impl LinearAttention {
                 (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(neg_a)?))
             }
         };
-        let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, L2_EPS)?, d.r())?;
-        let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, L2_EPS)?, d.r())?;
+        let (q, k, v) = if fused {
+            let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
+            prep.run(&mixed)?
+        } else {
+            let (q, k) = (head(0, d.heads, d.dk)?, head(kd, d.heads, d.dk)?);
+            let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, L2_EPS)?, d.r())?;
+            let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, L2_EPS)?, d.r())?;
+            (q, k, head(2 * kd, d.v_heads, d.dv)?)
+        };
         mark("gates + l2 norms", dev);
         let rec = Recurrence {
             q: &q,
@@ -248,6 +259,19 @@ impl LinearAttention {
         };
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
         mark("recurrence", dev);
+        if fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
+            // o is float32 here (v was): rounding, norm and gate in one kernel.
+            let (weight, eps) = self.norm.applied();
+            let gate = match self.gate {
+                OutputGate::Silu => {
+                    Some(p.z.clone().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?)
+                }
+                _ => None,
+            };
+            let norm = OutNorm { weight: weight.clone(), gate, dtype: x.dtype(), eps: eps as f32 };
+            return Ok(crate::ops::linear(&self.o_proj, &o.contiguous()?.apply_op1_no_bwd(&norm)?)?);
+        }
+        let o = o.to_dtype(x.dtype())?;
         let o = match &self.gate {
             OutputGate::None => self.norm.forward(&o)?,
             OutputGate::Silu => {

@@ -72,7 +72,9 @@ impl ShortConv {
             Some(b) => b.to_dtype(dtype)?,
             None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
         };
-        input.contiguous()?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
+        // A column slice of a stacked projection's output is read where it lies.
+        let input = if super::row_strided(input.layout()).is_some() { input.clone() } else { input.contiguous()? };
+        input.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
     }
 
     /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
@@ -115,13 +117,22 @@ fn last_inputs(x: &Tensor, n: usize) -> Result<Tensor> {
 
 /// Depthwise causal conv of x [B, L, C] with weight [C, K] and bias [C] (one dtype, float32
 /// accumulation), then SiLU when `act`: y[t] = Σ_i w[i] x[t + i − pad], zero outside [0, L).
+/// x may be a column slice of a wider matrix (rows of one stride, see `row_strided`).
 struct FusedConv {
     pad: usize,
     act: bool,
 }
 
 impl FusedConv {
-    fn cpu<T: WithDType>(&self, x: &[T], w: &[T], bias: &[T], (b, l, c, k): (usize, usize, usize, usize)) -> Vec<T> {
+    /// x's row t of sequence b starts at (b·l + t)·xs.
+    fn cpu<T: WithDType>(
+        &self,
+        x: &[T],
+        xs: usize,
+        w: &[T],
+        bias: &[T],
+        (b, l, c, k): (usize, usize, usize, usize),
+    ) -> Vec<T> {
         let t_out = l + self.pad + 1 - k;
         let mut y = Vec::with_capacity(b * t_out * c);
         for bi in 0..b {
@@ -131,7 +142,7 @@ impl FusedConv {
                     for i in 0..k {
                         let s = (t + i) as isize - self.pad as isize;
                         if s >= 0 && (s as usize) < l {
-                            acc += w[ch * k + i].to_f64() as f32 * x[(bi * l + s as usize) * c + ch].to_f64() as f32;
+                            acc += w[ch * k + i].to_f64() as f32 * x[(bi * l + s as usize) * xs + ch].to_f64() as f32;
                         }
                     }
                     if self.act {
@@ -143,6 +154,11 @@ impl FusedConv {
         }
         y
     }
+}
+
+/// x's start offset and row stride, or an error for a layout that is not rows of one stride.
+fn rows(xl: &Layout) -> Result<(usize, usize)> {
+    super::row_strided(xl).ok_or_else(|| candle_core::Error::Msg("conv: input rows must be contiguous".into()))
 }
 
 impl CustomOp3 for FusedConv {
@@ -162,17 +178,18 @@ impl CustomOp3 for FusedConv {
         let (b, l, c) = xl.shape().dims3()?;
         let k = wl.shape().dims2()?.1;
         let slice = |lay: &Layout| super::contiguous(lay, "conv");
-        let ((xs, xe), (ws, we), (bs, be)) = (slice(xl)?, slice(wl)?, slice(bl)?);
+        let ((ws, we), (bs, be)) = (slice(wl)?, slice(bl)?);
+        let (x0, rs) = rows(xl)?;
         let dims = (b, l, c, k);
         let out = match (x, w, bias) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(bb)) => {
-                CpuStorage::F32(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+                CpuStorage::F32(self.cpu(&x[x0..], rs, &w[ws..we], &bb[bs..be], dims))
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(bb)) => {
-                CpuStorage::BF16(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+                CpuStorage::BF16(self.cpu(&x[x0..], rs, &w[ws..we], &bb[bs..be], dims))
             }
             (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(bb)) => {
-                CpuStorage::F16(self.cpu(&x[xs..xe], &w[ws..we], &bb[bs..be], dims))
+                CpuStorage::F16(self.cpu(&x[x0..], rs, &w[ws..we], &bb[bs..be], dims))
             }
             _ => candle_core::bail!("conv: input, weight and bias must share one float dtype"),
         };
@@ -197,6 +214,10 @@ impl CustomOp3 for FusedConv {
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
 
     fn ramp(shape: &[usize], seed: f32) -> Tensor {
         let n: usize = shape.iter().product();
@@ -229,6 +250,10 @@ mod tests {
                     assert_eq!(d, 0.0);
                     let half = conv.fused(&input.to_dtype(DType::BF16).unwrap(), pad, true).unwrap();
                     assert_eq!(half.dtype(), DType::BF16);
+                    // a column slice of a wider matrix, read where it lies
+                    let wide = Tensor::cat(&[&input, &input.narrow(2, 0, 2).unwrap()], 2).unwrap();
+                    let sliced = conv.fused(&wide.narrow(2, 0, c).unwrap(), pad, true).unwrap();
+                    assert_eq!(flat(&sliced), flat(&conv.fused(&input, pad, true).unwrap()));
                 }
             }
         }

@@ -98,7 +98,7 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     let gk = inp.gk.map(|g| f32_view(g, "recurrence gk")).transpose()?;
     let (g, gk) = (g.as_ref().unwrap_or(&beta), gk.as_ref().unwrap_or(&beta));
     // R threads share a state column, each holding `rows` ≤ 32 key rows in registers.
-    let r = d.dk.div_ceil(32).next_power_of_two().min(32);
+    let r = rows_override(d.dk).map_or(d.dk.div_ceil(32).next_power_of_two().min(32), |rows| d.dk / rows);
     let rows = d.dk.div_ceil(r);
     if rows > 32 {
         candle_core::bail!("recurrence: key width {} is above the kernel's 1024", d.dk);
@@ -152,8 +152,22 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 
-/// Depthwise causal conv (+ SiLU) of x [B,L,C] with weight [C,K] and bias [C], all one dtype;
-/// output [B, T_out, C] with T_out = L − (K−1) + pad.
+/// `STATECUT_RECURRENCE_ROWS` = 16, 24 or 32: key rows per thread of the tiled recurrence
+/// kernel where dk splits into that many rows over a power of two of threads (fewer rows: more
+/// threads per column, more blocks, fewer registers); the default holds up to 32.
+fn rows_override(dk: usize) -> Option<usize> {
+    static ROWS: OnceLock<Option<usize>> = OnceLock::new();
+    let rows = (*ROWS.get_or_init(|| {
+        std::env::var("STATECUT_RECURRENCE_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| matches!(r, 16 | 24 | 32))
+    }))?;
+    (dk.is_multiple_of(rows) && (dk / rows).is_power_of_two() && dk / rows <= 32).then_some(rows)
+}
+
+/// Depthwise causal conv (+ SiLU) of x [B,L,C] (rows of one stride) with weight [C,K] and bias
+/// [C], all one dtype; output [B, T_out, C] with T_out = L − (K−1) + pad.
 #[allow(clippy::too_many_arguments)]
 pub fn conv(
     x: &CudaStorage,
@@ -168,13 +182,22 @@ pub fn conv(
     let dev = x.device().clone();
     let (b, l, c) = xl.shape().dims3()?;
     let k = wl.shape().dims2()?.1;
+    let (x0, xs) =
+        super::row_strided(xl).ok_or_else(|| candle_core::Error::Msg("conv: input rows must be contiguous".into()))?;
     let t_out = l + pad + 1 - k;
     let n = b * t_out * c;
     let ints = [b, l, t_out, c, k, pad, act as usize].map(|v| v as i32);
-    let cfg = LaunchConfig::for_num_elems(n as u32);
+    let xs = xs as i64;
+    // 256 channels per block, one tile of steps of one sequence per grid row (see `conv_silu`).
+    let tiles = b * t_out.div_ceil(16);
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(256) as u32, tiles.clamp(1, 65535) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
-            let xv = view::<$ty>((x, xl), "conv")?;
+            let xv = from::<$ty>(x, x0)?;
             let wv = view::<$ty>((w, wl), "conv weight")?;
             let bv = view::<$ty>((bias, bl), "conv bias")?;
             let func = function(&dev, $name)?;
@@ -182,10 +205,7 @@ pub fn conv(
             let out = unsafe { dev.alloc::<$ty>(n)? };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv);
-            builder.arg(&wv);
-            builder.arg(&bv);
-            builder.arg(&out);
+            builder.arg(&xv).arg(&xs).arg(&wv).arg(&bv).arg(&out);
             for v in &ints {
                 builder.arg(v);
             }
@@ -353,7 +373,12 @@ pub fn out_norm(
 pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<CudaStorage> {
     let dev = x.device().clone();
     let total = rows * n;
-    let cfg = LaunchConfig::for_num_elems(total as u32);
+    // Columns on x of the grid, rows on y (see `swiglu` in kernels.cu).
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65535) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let (rows, n) = (rows as i64, n as i32);
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
@@ -401,4 +426,72 @@ pub fn add_rms(
         }};
     }
     Ok(per_dtype!(a.dtype(), "add_rms", "add + norm", launch))
+}
+
+/// `col_sumsq` in kernels.cu: per-column sums of squares of x [rows, n] (row stride xs from
+/// `offset`) over chunks of `chunk` rows, float32 [ceil(rows / chunk), n].
+pub fn col_sumsq(
+    x: &CudaStorage,
+    (offset, xs): (usize, usize),
+    rows: usize,
+    n: usize,
+    chunk: usize,
+) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let chunks = rows.div_ceil(chunk);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, chunks as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (xs, rows_i, n_i, chunk_i) = (xs as i64, rows as i64, n as i32, chunk as i32);
+    // SAFETY: the kernel writes every chunk's n sums.
+    let out = unsafe { dev.alloc::<f32>(chunks * n)? };
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = from::<$ty>(x, offset)?;
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&xs).arg(&out).arg(&rows_i).arg(&n_i).arg(&chunk_i);
+            // SAFETY: argument list matches `col_sumsq_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+        }};
+    }
+    per_dtype!(x.dtype(), "col_sumsq", "column sums", launch);
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `qkv_prep` in kernels.cu: the float32 q | k | v of [`super::prep::QkvPrep`] from the conv
+/// output x (`rows` rows of stride xs from `offset`).
+pub fn qkv_prep(
+    x: &CudaStorage,
+    (offset, xs): (usize, usize),
+    rows: usize,
+    p: &super::prep::QkvPrep,
+) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let warps = rows * p.heads;
+    let cfg = LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (xs, rows_i) = (xs as i64, rows as i64);
+    let ints = [p.heads, p.v_heads, p.dk, p.dv].map(|v| v as i32);
+    // SAFETY: the kernel writes all of q, k and v.
+    let out = unsafe { dev.alloc::<f32>(p.out_len(rows))? };
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = from::<$ty>(x, offset)?;
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&xs).arg(&out).arg(&rows_i);
+            for v in &ints {
+                builder.arg(v);
+            }
+            builder.arg(&p.eps);
+            // SAFETY: argument list matches `qkv_prep_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+        }};
+    }
+    per_dtype!(x.dtype(), "qkv_prep", "recurrence inputs", launch);
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }

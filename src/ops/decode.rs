@@ -21,12 +21,8 @@ impl Rows {
         let (dims, strides) = (l.dims(), l.stride());
         let bad = || candle_core::Error::Msg(format!("{what}: {dims:?} with strides {strides:?} is not a row view"));
         let (&width, lead) = dims.split_last().ok_or_else(bad)?;
-        if width > 1 && strides[dims.len() - 1] != 1 || lead.iter().skip(1).any(|&d| d != 1) {
-            return Err(bad());
-        }
-        let rows = lead.first().copied().unwrap_or(1);
-        let stride = if rows > 1 { strides[0] } else { width };
-        Ok(Rows { offset: l.start_offset(), stride, rows, width })
+        let (offset, stride) = super::row_strided(l).ok_or_else(bad)?;
+        Ok(Rows { offset, stride, rows: lead.iter().product(), width })
     }
 
     /// Row r of `data`.
@@ -310,9 +306,10 @@ impl CustomOp1 for StepInputs {
     }
 }
 
-/// RMSNorm over dv of the recurrence's float32 output o [B, 1, Hv, dv], rounded first to the
-/// layer's dtype (as the prefill rounds o), then gated by silu(gate) when a gate is given: a
-/// [B, ·, Hv·dv] row view. Output [B, 1, Hv·dv] in `dtype`.
+/// RMSNorm over dv of the recurrence's float32 output o [B, T, Hv, dv], rounded first to the
+/// layer's dtype (as the layer's output is), then gated by silu(gate) when a gate is given: a
+/// [B, T, Hv·dv] row view. Output [B, T, Hv·dv] in `dtype`. One kernel for what separate ops
+/// do in three passes (rounding, norm, gate).
 pub struct OutNorm {
     /// float32 [dv]
     pub weight: Tensor,
@@ -322,12 +319,18 @@ pub struct OutNorm {
 }
 
 impl OutNorm {
-    fn dims(&self, l: &Layout) -> Result<(usize, usize, usize)> {
+    /// (tokens B·T, T, heads, dv)
+    fn dims(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
         let (b, t, h, dv) = l.shape().dims4()?;
-        if t != 1 || self.weight.elem_count() != dv {
+        if self.weight.elem_count() != dv {
             candle_core::bail!("output norm: o {:?}, weight {:?}", l.shape(), self.weight.shape());
         }
-        Ok((b, h, dv))
+        if let Some(g) = &self.gate {
+            if g.elem_count() != b * t * h * dv {
+                candle_core::bail!("output norm: o {:?}, gate {:?}", l.shape(), g.shape());
+            }
+        }
+        Ok((b * t, t, h, dv))
     }
 
     fn cpu<T: WithDType>(&self, o: &[f32], b: usize, h: usize, dv: usize) -> Result<Vec<T>> {
@@ -362,7 +365,7 @@ impl CustomOp1 for OutNorm {
     }
 
     fn cpu_fwd(&self, o: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (b, h, dv) = self.dims(l)?;
+        let (b, t, h, dv) = self.dims(l)?;
         let (s, e) = super::contiguous(l, "output norm")?;
         let CpuStorage::F32(o) = o else { candle_core::bail!("output norm: o must be float32") };
         let o = &o[s..e];
@@ -372,17 +375,17 @@ impl CustomOp1 for OutNorm {
             DType::F16 => CpuStorage::F16(self.cpu(o, b, h, dv)?),
             dt => candle_core::bail!("output norm: unsupported dtype {dt:?}"),
         };
-        Ok((out, Shape::from((b, 1, h * dv))))
+        Ok((out, Shape::from((b / t, t, h * dv))))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, o: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (b, h, dv) = self.dims(l)?;
+        let (b, t, h, dv) = self.dims(l)?;
         let w = self.weight.storage_and_layout();
         let gate = self.gate.as_ref().map(|g| g.storage_and_layout());
         let gate = row_view(&gate, "output gate")?;
         let out = super::cuda::out_norm(o, l, gate, on_gpu(&w)?, self.dtype, (b * h, dv, h), self.eps)?;
-        Ok((out, Shape::from((b, 1, h * dv))))
+        Ok((out, Shape::from((b / t, t, h * dv))))
     }
 }
 

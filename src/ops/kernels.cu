@@ -13,33 +13,62 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
-// Depthwise causal short convolution over x [B, L, C] with weight [C, K] and bias [C], optionally
-// followed by SiLU: y[b,t,c] = act(bias[c] + sum_i w[c,i] x[b, t+i-pad, c]), zero outside [0, L).
-// pad = K-1 is a fresh sequence; pad = 0 with the last K-1 inputs prepended continues one.
+// Depthwise causal short convolution over x [B, L, C] (row t of sequence b at (b L + t) xs, so a
+// column slice of a wider projection output is read where it lies) with weight [C, K] and bias
+// [C], optionally followed by SiLU: y[b,t,c] = act(bias[c] + sum_i w[c,i] x[b, t+i-pad, c]), zero
+// outside [0, L); y [B, T_out, C] contiguous. pad = K-1 is a fresh sequence; pad = 0 with the
+// last K-1 inputs prepended continues one.
+// One thread per channel and CONV_TILE consecutive steps of one sequence: the K inputs a step
+// needs slide through registers, so each input is read once, and no index needs a division
+// per element.
+#define CONV_TILE 16
 template <typename T>
-__device__ void conv_silu(const T *x, const T *w, const T *bias, T *y, int B, int L, int T_out, int C,
-                          int K, int pad, int act) {
-  int64_t n = (int64_t)B * T_out * C;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    int c = idx % C;
-    int64_t bt = idx / C;
-    int t = bt % T_out;
-    int b = bt / T_out;
-    float acc = to_f(bias[c]);
-    for (int i = 0; i < K; i++) {
-      int s = t + i - pad;
-      if (s >= 0 && s < L) acc += to_f(w[c * K + i]) * to_f(x[((int64_t)b * L + s) * C + c]);
+__device__ void conv_silu(const T *x, long long xs, const T *w, const T *bias, T *y, int B, int L, int T_out,
+                          int C, int K, int pad, int act) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int tiles = (T_out + CONV_TILE - 1) / CONV_TILE;
+  if (c >= C) return;
+  for (long long bt = blockIdx.y; bt < (long long)B * tiles; bt += gridDim.y) {
+    const int b = bt / tiles, t0 = (bt % tiles) * CONV_TILE, t1 = min(t0 + CONV_TILE, T_out);
+    const T *xb = x + (long long)b * L * xs + c;
+    T *yb = y + (long long)b * T_out * C + c;
+    const float bc = to_f(bias[c]);
+    auto in = [&](int s) { return (s >= 0 && s < L) ? to_f(xb[(long long)s * xs]) : 0.0f; };
+    if (K <= 8) {
+      // Slot j holds x[t + i - pad] for tap i = j - (8 - K); slots below 8 - K are unused.
+      float wa[8], win[8];
+#pragma unroll
+      for (int j = 0; j < 8; j++) {
+        const int i = j - (8 - K);
+        wa[j] = i >= 0 ? to_f(w[c * K + i]) : 0.0f;
+        win[j] = (i >= 0 && j < 7) ? in(t0 + i - pad) : 0.0f;
+      }
+      for (int t = t0; t < t1; t++) {
+        win[7] = in(t + K - 1 - pad);
+        float acc = bc;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+          if (j >= 8 - K) acc += wa[j] * win[j];
+        if (act) acc = acc / (1.0f + expf(-acc));
+        yb[(long long)t * C] = from_f<T>(acc);
+#pragma unroll
+        for (int j = 0; j < 7; j++) win[j] = win[j + 1];
+      }
+    } else {
+      for (int t = t0; t < t1; t++) {
+        float acc = bc;
+        for (int i = 0; i < K; i++) acc += to_f(w[c * K + i]) * in(t + i - pad);
+        if (act) acc = acc / (1.0f + expf(-acc));
+        yb[(long long)t * C] = from_f<T>(acc);
+      }
     }
-    if (act) acc = acc / (1.0f + expf(-acc));
-    y[idx] = from_f<T>(acc);
   }
 }
 
 #define CONV(NAME, T)                                                                               \
-  extern "C" __global__ void NAME(const T *x, const T *w, const T *bias, T *y, int B, int L,         \
-                                  int T_out, int C, int K, int pad, int act) {                     \
-    conv_silu<T>(x, w, bias, y, B, L, T_out, C, K, pad, act);                                      \
+  extern "C" __global__ void NAME(const T *x, long long xs, const T *w, const T *bias, T *y, int B,  \
+                                  int L, int T_out, int C, int K, int pad, int act) {              \
+    conv_silu<T>(x, xs, w, bias, y, B, L, T_out, C, K, pad, act);                                  \
   }
 CONV(conv_silu_f32, float)
 CONV(conv_silu_bf16, __nv_bfloat16)
@@ -506,16 +535,15 @@ OUT_NORM(out_norm_bf16, __nv_bfloat16)
 OUT_NORM(out_norm_f16, __half)
 
 // SwiGLU on the stacked gate|up projection: y[r, i] = silu(x[r, i]) · x[r, n + i], in float32,
-// rounded once to T. x [rows, 2n], y [rows, n].
+// rounded once to T. x [rows, 2n], y [rows, n]. Columns on x of the grid, rows on y (strided
+// past 65535), so no element needs a 64-bit division.
 template <typename T>
 __device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long rows, int n) {
-  const long long total = rows * n;
-  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (long long)gridDim.x * blockDim.x) {
-    const long long r = idx / n;
-    const int i = idx % n;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
     const float gv = to_f(x[r * 2 * n + i]);
-    y[idx] = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(x[r * 2 * n + n + i]));
+    y[r * n + i] = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(x[r * 2 * n + n + i]));
   }
 }
 
@@ -524,6 +552,80 @@ __device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long row
 SWIGLU(swiglu_f32, float)
 SWIGLU(swiglu_bf16, __nv_bfloat16)
 SWIGLU(swiglu_f16, __half)
+
+// Per-column sums of squares of x [rows, n] (row r at r · xs), in float32, over chunks of
+// `chunk` rows: part [ceil(rows / chunk), n]. The caller adds the chunks up in a fixed order, so
+// the result does not depend on scheduling (atomics would make the S-Wanda scores, and with
+// them the kept channels, vary between runs).
+template <typename T>
+__device__ void col_sumsq(const T *__restrict__ x, long long xs, float *__restrict__ part, long long rows, int n,
+                          int chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  const long long r0 = (long long)blockIdx.y * chunk, r1 = min(r0 + chunk, rows);
+  float s = 0.0f;
+  for (long long r = r0; r < r1; r++) {
+    const float v = to_f(x[r * xs + c]);
+    s += v * v;
+  }
+  part[(long long)blockIdx.y * n + c] = s;
+}
+
+#define COL_SUMSQ(NAME, T)                                                                          \
+  extern "C" __global__ void NAME(const T *x, long long xs, float *part, long long rows, int n,      \
+                                  int chunk) {                                                     \
+    col_sumsq<T>(x, xs, part, rows, n, chunk);                                                      \
+  }
+COL_SUMSQ(col_sumsq_f32, float)
+COL_SUMSQ(col_sumsq_bf16, __nv_bfloat16)
+COL_SUMSQ(col_sumsq_f16, __half)
+
+// The recurrence's float32 inputs from the short conv's output x [rows, 2·H·dk + Hv·dv] (row r
+// at r · xs): q and k of each key head L2-normed (x / sqrt(Σx² + eps)) and repeated for the
+// r = Hv / H value heads that read it, v widened. out: q [rows, Hv, dk] | k [rows, Hv, dk] |
+// v [rows, Hv, dv], each contiguous. One warp per (row, key head).
+template <typename T>
+__device__ void qkv_prep(const T *__restrict__ x, long long xs, float *__restrict__ out, long long rows, int H,
+                         int Hv, int dk, int dv, float eps) {
+  const int lane = threadIdx.x & 31;
+  const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (wid >= rows * H) return;
+  const long long row = wid / H;
+  const int kh = wid % H, r = Hv / H, kd = H * dk;
+  const T *xq = x + row * xs + kh * dk, *xk = xq + kd;
+  const long long qk_n = rows * Hv * dk;
+  float *q = out + (row * Hv + (long long)kh * r) * dk, *k = q + qk_n;
+  float *v = out + 2 * qk_n + (row * Hv + (long long)kh * r) * dv;
+  float sq = 0.0f, sk = 0.0f;
+  for (int i = lane; i < dk; i += 32) {
+    const float qi = to_f(xq[i]), ki = to_f(xk[i]);
+    sq += qi * qi;
+    sk += ki * ki;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    sk += __shfl_xor_sync(0xffffffffu, sk, off);
+  }
+  const float nq = sqrtf(sq + eps), nk = sqrtf(sk + eps);
+  for (int i = lane; i < dk; i += 32) {
+    const float qi = to_f(xq[i]) / nq, ki = to_f(xk[i]) / nk;
+    for (int j = 0; j < r; j++) {
+      q[j * dk + i] = qi;
+      k[j * dk + i] = ki;
+    }
+  }
+  const T *xv = x + row * xs + 2 * kd + (long long)kh * r * dv;
+  for (int j = lane; j < r * dv; j += 32) v[j] = to_f(xv[j]);
+}
+
+#define QKV_PREP(NAME, T)                                                                           \
+  extern "C" __global__ void NAME(const T *x, long long xs, float *out, long long rows, int H, int Hv, \
+                                  int dk, int dv, float eps) {                                     \
+    qkv_prep<T>(x, xs, out, rows, H, Hv, dk, dv, eps);                                              \
+  }
+QKV_PREP(qkv_prep_f32, float)
+QKV_PREP(qkv_prep_bf16, __nv_bfloat16)
+QKV_PREP(qkv_prep_f16, __half)
 
 // Residual add and RMSNorm in one pass: h = a + b rounded to T (as a separate add rounds), then
 // y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One block per row of width n (a

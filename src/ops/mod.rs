@@ -8,6 +8,7 @@ pub mod decode;
 pub mod delta_rule;
 pub mod mlp;
 pub mod norm;
+pub mod prep;
 
 use candle_core::{Layout, Result, Tensor};
 
@@ -53,4 +54,48 @@ pub(crate) fn fusable(inputs: &[&Tensor]) -> bool {
 /// naming `what` otherwise.
 pub(crate) fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {
     layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{what}: input must be contiguous")))
+}
+
+/// Start offset and row stride of a layout whose last dimension is contiguous and whose leading
+/// dimensions fold into rows of one stride (a column slice of a wider matrix, such as one part
+/// of a stacked projection's output): the custom ops that take row views read it in place.
+pub(crate) fn row_strided(layout: &Layout) -> Option<(usize, usize)> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let Some((&width, _)) = dims.split_last() else { return Some((layout.start_offset(), 1)) };
+    let n = dims.len();
+    if width > 1 && strides[n - 1] != 1 {
+        return None;
+    }
+    // Leading dimensions of size one carry no stride that matters (candle leaves theirs as they
+    // came): only the others fold into rows.
+    let lead: Vec<(usize, usize)> = (0..n - 1).filter(|&i| dims[i] > 1).map(|i| (dims[i], strides[i])).collect();
+    let Some(&(_, rs)) = lead.last() else { return Some((layout.start_offset(), width)) };
+    // Rows must not overlap, and every leading dimension must step over whole rows of the one
+    // below it.
+    let whole = lead.windows(2).all(|w| w[0].1 == w[1].1 * w[1].0);
+    (rs >= width && whole).then_some((layout.start_offset(), rs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_strided;
+    use candle_core::{Device, Tensor};
+
+    /// Column slices of wider matrices are row views; sizes of one carry any stride; transposed
+    /// or overlapping layouts are not row views.
+    #[test]
+    fn row_views() -> candle_core::Result<()> {
+        let t = Tensor::zeros((2, 3, 10), candle_core::DType::F32, &Device::Cpu)?;
+        assert_eq!(row_strided(t.narrow(2, 4, 5)?.layout()), Some((4, 10)));
+        assert_eq!(row_strided(t.layout()), Some((0, 10)));
+        // candle's cat along dim 1 of one sequence: [1, 4, 8] with strides [8, 8, 1]
+        let a = Tensor::zeros((1, 20, 30), candle_core::DType::F32, &Device::Cpu)?.narrow(2, 5, 8)?.narrow(1, 17, 3)?;
+        let b = Tensor::zeros((1, 1, 30), candle_core::DType::F32, &Device::Cpu)?.narrow(2, 5, 8)?;
+        let cat = Tensor::cat(&[&a, &b], 1)?;
+        assert_eq!(row_strided(cat.layout()), Some((0, 8)));
+        assert_eq!(row_strided(t.narrow(1, 1, 1)?.layout()), Some((10, 30)));
+        assert_eq!(row_strided(t.transpose(1, 2)?.layout()), None);
+        assert_eq!(row_strided(t.narrow(1, 0, 2)?.layout()), None, "sequences 30 apart, rows 10 apart");
+        Ok(())
+    }
 }
