@@ -337,9 +337,14 @@ pub fn run_recurrence(
     let (o, state) = rec.forward_with_state()?;
     obs.state(layer, &state)?;
     if let Some(c) = cache {
-        // After a prompt the state may be a view into an output of all its tokens' values,
-        // which the cache would otherwise keep alive for the whole decoding session.
-        let state = if rec.q.dim(1)? > 1 { state.force_contiguous()? } else { state };
+        // After a prompt the state may be a view into an output of all its tokens' values, and
+        // the conv history one into the projections of all its tokens, which the cache would
+        // otherwise keep alive for the whole decoding session.
+        let (state, conv) = if rec.q.dim(1)? > 1 {
+            (state.force_contiguous()?, conv.map(|c| c.force_contiguous()).transpose()?)
+        } else {
+            (state, conv)
+        };
         *c = LayerCache::Recurrent { conv, state, owned: false };
     }
     Ok(o)
@@ -503,6 +508,39 @@ pub fn parse<T: serde::de::DeserializeOwned>(ckpt: &Checkpoint, value: &Value) -
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
+
+    /// After a prompt the cache holds its own compact state and conv history, not views that
+    /// would keep the prompt's whole outputs alive.
+    #[test]
+    fn prompt_caches_hold_compact_copies() -> Result<()> {
+        let dev = Device::Cpu;
+        let r = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &dev);
+        let (q, k, v, beta) = (r(&[1, 3, 1, 2])?, r(&[1, 3, 1, 2])?, r(&[1, 3, 1, 2])?, r(&[1, 3, 1])?);
+        let rec = crate::ops::delta_rule::Recurrence {
+            q: &q,
+            k: &k,
+            v: &v,
+            beta: &beta,
+            g: None,
+            gk: None,
+            scale: 1.0,
+            rule: crate::ops::delta_rule::Rule::Delta,
+            initial: None,
+        };
+        // the last two of three steps' inputs, a view into a wider tensor
+        let projections = r(&[1, 3, 10])?;
+        let history = projections.narrow(1, 1, 2)?.narrow(2, 4, 6)?;
+        let mut cache = LayerCache::Empty;
+        run_recurrence(&rec, 0, &mut NoObserver, Some(&mut cache), Some(history.clone()))?;
+        let LayerCache::Recurrent { conv: Some(c), state, owned: false } = &cache else { panic!("{cache:?}") };
+        for t in [c, state] {
+            let (storage, layout) = t.storage_and_layout();
+            let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)) = &*storage else { panic!("not f32") };
+            assert!(layout.is_contiguous() && layout.start_offset() == 0 && data.len() == t.elem_count());
+        }
+        assert_eq!(c.flatten_all()?.to_vec1::<f32>()?, history.flatten_all()?.to_vec1::<f32>()?);
+        Ok(())
+    }
 
     #[test]
     fn exclusive_caches_own_float32_copies() -> Result<()> {

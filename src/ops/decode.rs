@@ -319,7 +319,7 @@ pub struct OutNorm {
 }
 
 impl OutNorm {
-    /// (tokens B·T, T, heads, dv)
+    /// (B, T, heads, dv)
     fn dims(&self, l: &Layout) -> Result<(usize, usize, usize, usize)> {
         let (b, t, h, dv) = l.shape().dims4()?;
         if self.weight.elem_count() != dv {
@@ -330,10 +330,11 @@ impl OutNorm {
                 candle_core::bail!("output norm: o {:?}, gate {:?}", l.shape(), g.shape());
             }
         }
-        Ok((b * t, t, h, dv))
+        Ok((b, t, h, dv))
     }
 
-    fn cpu<T: WithDType>(&self, o: &[f32], b: usize, h: usize, dv: usize) -> Result<Vec<T>> {
+    /// o's rows of `tokens` tokens, `h` heads of width `dv` each.
+    fn cpu<T: WithDType>(&self, o: &[f32], tokens: usize, h: usize, dv: usize) -> Result<Vec<T>> {
         let w = f32_vec(&self.weight)?;
         let gate = match &self.gate {
             Some(g) => Some((cpu_slice::<T>(g)?, Rows::of(g.layout(), "output gate")?)),
@@ -354,7 +355,7 @@ impl OutNorm {
                 y.push(T::from_f64(v as f64));
             }
         }
-        debug_assert_eq!(y.len(), b * h * dv);
+        debug_assert_eq!(y.len(), tokens * h * dv);
         Ok(y)
     }
 }
@@ -370,12 +371,12 @@ impl CustomOp1 for OutNorm {
         let CpuStorage::F32(o) = o else { candle_core::bail!("output norm: o must be float32") };
         let o = &o[s..e];
         let out = match self.dtype {
-            DType::F32 => CpuStorage::F32(self.cpu(o, b, h, dv)?),
-            DType::BF16 => CpuStorage::BF16(self.cpu(o, b, h, dv)?),
-            DType::F16 => CpuStorage::F16(self.cpu(o, b, h, dv)?),
+            DType::F32 => CpuStorage::F32(self.cpu(o, b * t, h, dv)?),
+            DType::BF16 => CpuStorage::BF16(self.cpu(o, b * t, h, dv)?),
+            DType::F16 => CpuStorage::F16(self.cpu(o, b * t, h, dv)?),
             dt => candle_core::bail!("output norm: unsupported dtype {dt:?}"),
         };
-        Ok((out, Shape::from((b / t, t, h * dv))))
+        Ok((out, Shape::from((b, t, h * dv))))
     }
 
     #[cfg(feature = "cuda")]
@@ -384,8 +385,8 @@ impl CustomOp1 for OutNorm {
         let w = self.weight.storage_and_layout();
         let gate = self.gate.as_ref().map(|g| g.storage_and_layout());
         let gate = row_view(&gate, "output gate")?;
-        let out = super::cuda::out_norm(o, l, gate, on_gpu(&w)?, self.dtype, (b * h, dv, h), self.eps)?;
-        Ok((out, Shape::from((b / t, t, h * dv))))
+        let out = super::cuda::out_norm(o, l, gate, on_gpu(&w)?, self.dtype, (b * t * h, dv, h), self.eps)?;
+        Ok((out, Shape::from((b, t, h * dv))))
     }
 }
 
