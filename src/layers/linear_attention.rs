@@ -261,14 +261,7 @@ impl LinearAttention {
         mark("recurrence", dev);
         if fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
             // o is float32 here (v was): rounding, norm and gate in one kernel.
-            let (weight, eps) = self.norm.applied();
-            let gate = match self.gate {
-                OutputGate::Silu => {
-                    Some(p.z.clone().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?)
-                }
-                _ => None,
-            };
-            let norm = OutNorm { weight: weight.clone(), gate, dtype: x.dtype(), eps: eps as f32 };
+            let norm = self.out_norm(p.z.clone(), x.dtype())?;
             return Ok(crate::ops::linear(&self.o_proj, &o.contiguous()?.apply_op1_no_bwd(&norm)?)?);
         }
         let o = o.to_dtype(x.dtype())?;
@@ -296,6 +289,17 @@ impl LinearAttention {
             && self.conv.is_some()
             && !matches!(self.decay, Decay::PerChannel { .. })
             && matches!(self.gate, OutputGate::None | OutputGate::Silu)
+    }
+
+    /// The one-kernel output norm ([`OutNorm`]) of a layer without a gate or with silu(z), in
+    /// `dtype`; `z` is the projection the gate reads.
+    fn out_norm(&self, z: Option<Tensor>, dtype: DType) -> Result<OutNorm> {
+        let (weight, eps) = self.norm.applied();
+        let gate = match self.gate {
+            OutputGate::Silu => Some(z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?),
+            _ => None,
+        };
+        Ok(OutNorm { weight: weight.clone(), gate, dtype, eps: eps as f32 })
     }
 
     /// One decoding step in five launches (projections, [`StepInputs`], the recurrence,
@@ -350,12 +354,7 @@ impl LinearAttention {
             *cache = LayerCache::Recurrent { conv: Some(s.history), state, owned: false };
             o
         };
-        let (weight, eps) = self.norm.applied();
-        let gate = match self.gate {
-            OutputGate::Silu => Some(p.z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?),
-            _ => None,
-        };
-        let norm = OutNorm { weight: weight.clone(), gate, dtype, eps: eps as f32 };
+        let norm = self.out_norm(p.z, dtype)?;
         Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?)
     }
 }

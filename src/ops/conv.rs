@@ -73,8 +73,7 @@ impl ShortConv {
             None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
         };
         // A column slice of a stacked projection's output is read where it lies.
-        let input = if super::row_strided(input.layout()).is_some() { input.clone() } else { input.contiguous()? };
-        input.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
+        super::as_rows(input)?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
     }
 
     /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
@@ -156,11 +155,6 @@ impl FusedConv {
     }
 }
 
-/// x's start offset and row stride, or an error for a layout that is not rows of one stride.
-fn rows(xl: &Layout) -> Result<(usize, usize)> {
-    super::row_strided(xl).ok_or_else(|| candle_core::Error::Msg("conv: input rows must be contiguous".into()))
-}
-
 impl CustomOp3 for FusedConv {
     fn name(&self) -> &'static str {
         "statecut-conv-silu"
@@ -179,7 +173,7 @@ impl CustomOp3 for FusedConv {
         let k = wl.shape().dims2()?.1;
         let slice = |lay: &Layout| super::contiguous(lay, "conv");
         let ((ws, we), (bs, be)) = (slice(wl)?, slice(bl)?);
-        let (x0, rs) = rows(xl)?;
+        let super::Rows { offset: x0, stride: rs, .. } = super::Rows::of(xl, "conv")?;
         let dims = (b, l, c, k);
         let out = match (x, w, bias) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(bb)) => {

@@ -182,8 +182,7 @@ pub fn conv(
     let dev = x.device().clone();
     let (b, l, c) = xl.shape().dims3()?;
     let k = wl.shape().dims2()?.1;
-    let (x0, xs) =
-        super::row_strided(xl).ok_or_else(|| candle_core::Error::Msg("conv: input rows must be contiguous".into()))?;
+    let super::Rows { offset: x0, stride: xs, .. } = super::Rows::of(xl, "conv")?;
     let t_out = l + pad + 1 - k;
     let n = b * t_out * c;
     let ints = [b, l, t_out, c, k, pad, act as usize].map(|v| v as i32);

@@ -4,32 +4,8 @@
 //! recurrence's float32 output. The CPU halves define what the CUDA kernels compute and are
 //! tested against the separate ops the prefill path takes.
 
+use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
-
-/// A tensor as rows of its first dimension, every other leading dimension of size 1 and the last
-/// contiguous: a narrowed slice of a stacked projection's output is one, without a copy.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Rows {
-    pub offset: usize,
-    pub stride: usize,
-    pub rows: usize,
-    pub width: usize,
-}
-
-impl Rows {
-    pub(crate) fn of(l: &Layout, what: &str) -> Result<Rows> {
-        let (dims, strides) = (l.dims(), l.stride());
-        let bad = || candle_core::Error::Msg(format!("{what}: {dims:?} with strides {strides:?} is not a row view"));
-        let (&width, lead) = dims.split_last().ok_or_else(bad)?;
-        let (offset, stride) = super::row_strided(l).ok_or_else(bad)?;
-        Ok(Rows { offset, stride, rows: lead.iter().product(), width })
-    }
-
-    /// Row r of `data`.
-    fn row<'a, T>(&self, data: &'a [T], r: usize) -> &'a [T] {
-        &data[self.offset + r * self.stride..][..self.width]
-    }
-}
 
 /// Sizes of one step: `b` sequences, `heads` key heads of width `dk`, `v_heads` value heads of
 /// width `dv`, a short conv of `kernel` taps.

@@ -76,6 +76,43 @@ pub(crate) fn row_strided(layout: &Layout) -> Option<(usize, usize)> {
     (rs >= width && whole).then_some((layout.start_offset(), rs))
 }
 
+/// A tensor's layout as rows of one stride ([`row_strided`]): its start offset and row stride,
+/// the number of rows (all leading dimensions folded) and their width. A column slice of a
+/// stacked projection's output is one, without a copy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rows {
+    pub offset: usize,
+    pub stride: usize,
+    pub rows: usize,
+    pub width: usize,
+}
+
+impl Rows {
+    /// The rows of `l`, or an error naming `what` for a layout that is not rows of one stride.
+    pub(crate) fn of(l: &Layout, what: &str) -> Result<Rows> {
+        let (dims, strides) = (l.dims(), l.stride());
+        let bad = || candle_core::Error::Msg(format!("{what}: {dims:?} with strides {strides:?} is not a row view"));
+        let (&width, lead) = dims.split_last().ok_or_else(bad)?;
+        let (offset, stride) = row_strided(l).ok_or_else(bad)?;
+        Ok(Rows { offset, stride, rows: lead.iter().product(), width })
+    }
+
+    /// Row r of `data`.
+    pub(crate) fn row<'a, T>(&self, data: &'a [T], r: usize) -> &'a [T] {
+        &data[self.offset + r * self.stride..][..self.width]
+    }
+}
+
+/// `x` itself when it is rows of one stride (the custom ops read it where it lies), else a
+/// contiguous copy.
+pub(crate) fn as_rows(x: &Tensor) -> Result<Tensor> {
+    if row_strided(x.layout()).is_some() {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::row_strided;

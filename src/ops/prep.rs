@@ -3,6 +3,7 @@
 //! candle ops take six passes over the same data (two copies out of the stacked output, two
 //! widenings, two norms) and a seventh for v.
 
+use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
 
 /// Head counts and widths of [`QkvPrep`]'s input [.., 2·heads·dk + v_heads·dv] = [q | k | v].
@@ -39,8 +40,7 @@ impl QkvPrep {
                 self.dv
             );
         }
-        let x = if super::row_strided(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
-        let flat = x.apply_op1_no_bwd(self)?;
+        let flat = super::as_rows(x)?.apply_op1_no_bwd(self)?;
         let (nk, nv) = (b * t * self.v_heads * self.dk, b * t * self.v_heads * self.dv);
         let q = flat.narrow(0, 0, nk)?.reshape((b, t, self.v_heads, self.dk))?;
         let k = flat.narrow(0, nk, nk)?.reshape((b, t, self.v_heads, self.dk))?;
@@ -77,21 +77,13 @@ impl QkvPrep {
     }
 }
 
-/// The input's start offset and row stride, and its number of rows.
-fn rows_of(l: &Layout) -> Result<((usize, usize), usize)> {
-    let view = super::row_strided(l)
-        .ok_or_else(|| candle_core::Error::Msg("recurrence inputs: rows must be contiguous".into()))?;
-    let width = l.dims().last().copied().unwrap_or(1).max(1);
-    Ok((view, l.shape().elem_count() / width))
-}
-
 impl CustomOp1 for QkvPrep {
     fn name(&self) -> &'static str {
         "statecut-qkv-prep"
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ((o, xs), rows) = rows_of(l)?;
+        let Rows { offset: o, stride: xs, rows, .. } = Rows::of(l, "recurrence inputs")?;
         let out = match x {
             CpuStorage::F32(x) => self.rows_cpu(&x[o..], xs, rows),
             CpuStorage::BF16(x) => self.rows_cpu(&x[o..], xs, rows),
@@ -103,8 +95,8 @@ impl CustomOp1 for QkvPrep {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (view, rows) = rows_of(l)?;
-        Ok((super::cuda::qkv_prep(x, view, rows, self)?, Shape::from(self.out_len(rows))))
+        let r = Rows::of(l, "recurrence inputs")?;
+        Ok((super::cuda::qkv_prep(x, (r.offset, r.stride), r.rows, self)?, Shape::from(self.out_len(r.rows))))
     }
 }
 
@@ -137,8 +129,7 @@ impl CustomOp1 for ColumnSquares {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ((o, xs), rows) = rows_of(l)?;
-        let n = l.dims().last().copied().unwrap_or(1);
+        let Rows { offset: o, stride: xs, rows, width: n } = Rows::of(l, "column sums")?;
         let out = match x {
             CpuStorage::F32(x) => Self::cpu(&x[o..], xs, rows, n),
             CpuStorage::BF16(x) => Self::cpu(&x[o..], xs, rows, n),
@@ -150,9 +141,8 @@ impl CustomOp1 for ColumnSquares {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (view, rows) = rows_of(l)?;
-        let n = l.dims().last().copied().unwrap_or(1);
-        let out = super::cuda::col_sumsq(x, view, rows, n, Self::CHUNK)?;
+        let Rows { offset, stride, rows, width: n } = Rows::of(l, "column sums")?;
+        let out = super::cuda::col_sumsq(x, (offset, stride), rows, n, Self::CHUNK)?;
         Ok((out, Shape::from((rows.div_ceil(Self::CHUNK), n))))
     }
 }
@@ -160,8 +150,7 @@ impl CustomOp1 for ColumnSquares {
 /// Σ over rows of x² for each column of x [.., n] (float32 [n]): the chunks' sums added in
 /// order, so the result is the same on every run.
 pub fn column_sums_of_squares(x: &Tensor) -> Result<Tensor> {
-    let x = if super::row_strided(x.layout()).is_some() { x.clone() } else { x.contiguous()? };
-    x.apply_op1_no_bwd(&ColumnSquares)?.sum(0)
+    super::as_rows(x)?.apply_op1_no_bwd(&ColumnSquares)?.sum(0)
 }
 
 #[cfg(test)]
