@@ -152,7 +152,7 @@ impl Attention {
         }
         let scores = (q.matmul(&k.t()?)? * s.scale)?;
         let scores = scores.to_dtype(DType::F32)?.broadcast_add(&causal_mask(past, t, s.window, x.device())?)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+        let probs = crate::ops::softmax_last(&scores)?.to_dtype(v.dtype())?;
         let o = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, hq * hd))?;
         let o = match gate {
             Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,

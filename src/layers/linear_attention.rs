@@ -259,7 +259,12 @@ impl LinearAttention {
         };
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
         mark("recurrence", dev);
-        if fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
+        let out_fused = {
+            let (weight, _) = self.norm.applied();
+            let z = p.z.iter().filter(|_| matches!(self.gate, OutputGate::Silu));
+            crate::ops::fusable(&[&o, weight].into_iter().chain(z).collect::<Vec<_>>())
+        };
+        if out_fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
             // o is float32 here (v was): rounding, norm and gate in one kernel.
             let norm = self.out_norm(p.z.clone(), x.dtype())?;
             return Ok(crate::ops::linear(&self.o_proj, &o.contiguous()?.apply_op1_no_bwd(&norm)?)?);
@@ -285,7 +290,8 @@ impl LinearAttention {
     /// Whether a single-token step on `x` may take [`Self::step`]: off the CPU, with no gradient,
     /// for the layers it covers (a short conv, no per-channel decay, no low-rank gate).
     fn steps_fused(&self, x: &Tensor) -> bool {
-        crate::ops::fusable(&[x])
+        let weights = [Some(self.norm.applied().0), self.conv.as_ref().map(|c| c.parts().0)];
+        crate::ops::fusable(&[x].into_iter().chain(weights.into_iter().flatten()).collect::<Vec<_>>())
             && self.conv.is_some()
             && !matches!(self.decay, Decay::PerChannel { .. })
             && matches!(self.gate, OutputGate::None | OutputGate::Silu)

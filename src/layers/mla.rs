@@ -71,7 +71,7 @@ impl Mla {
         }
         let scores = (q.matmul(&k.t()?)? * (qk as f64).powf(-0.5))?;
         let mask = super::attention::causal_mask(past, t, None, x.device())?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?.broadcast_add(&mask)?)?;
+        let probs = crate::ops::softmax_last(&scores.to_dtype(DType::F32)?.broadcast_add(&mask)?)?;
         let o = probs.to_dtype(v.dtype())?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d.heads * d.v_head))?;
         Ok(self.o_proj.forward(&o)?)
     }

@@ -54,7 +54,7 @@ impl Router {
     fn scores(&self, logits: &Tensor) -> Result<Tensor> {
         let logits = logits.to_dtype(DType::F32)?;
         Ok(match self {
-            Router::Softmax { .. } => candle_nn::ops::softmax_last_dim(&logits)?,
+            Router::Softmax { .. } => crate::ops::softmax_last(&logits)?,
             Router::Sigmoid { .. } => candle_nn::ops::sigmoid(&logits)?,
         })
     }
@@ -99,7 +99,8 @@ impl Moe {
         let xs = x.reshape((b * t, h))?;
         let scores = self.router.scores(&self.gate.forward(&xs)?)?;
         let (n, e) = scores.dims2()?;
-        // Routing is decided on the host; the weights stay tensors so gradients reach the router.
+        // Routing is decided on the host; the weights stay tensors (the softmax a differentiable
+        // one when a gradient flows) so gradients reach the router.
         let p = scores.to_vec2::<f32>()?;
         let mut rows: Vec<Vec<u32>> = vec![Vec::new(); e];
         let mut picks: Vec<Vec<u32>> = vec![Vec::new(); e];

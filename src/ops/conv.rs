@@ -50,7 +50,8 @@ impl ShortConv {
     /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no
     /// gradient flows through it, this is one fused kernel instead of 2K + 2 candle ops.
     pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        if !super::fusable(&[x, &self.weight]) {
+        let tensors = [Some(x), Some(&self.weight), self.bias.as_ref(), prev].into_iter().flatten();
+        if !super::fusable(&tensors.collect::<Vec<_>>()) {
             let (y, state) = self.forward_cached(x, prev)?;
             return Ok((candle_nn::ops::silu(&y)?, state));
         }

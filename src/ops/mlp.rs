@@ -32,7 +32,7 @@ impl SwiGlu {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(s) = self.stacked.as_ref().filter(|_| super::fusable(&[x])) {
+        if let Some(s) = self.stacked.as_ref().filter(|s| super::fusable(&[x, s.weight(), self.down.weight()])) {
             return super::linear(&self.down, &super::linear(s, x)?.apply_op1_no_bwd(&Swiglu)?);
         }
         let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;

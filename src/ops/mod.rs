@@ -44,10 +44,28 @@ pub fn repeat_heads(x: &Tensor, r: usize) -> Result<Tensor> {
 
 /// Whether one of this module's fused custom ops may stand in for separate candle ops on
 /// `inputs` (the first decides the device): never on the CPU, where the separate ops are the
-/// path and the fused ops' reference, nor when a gradient must flow through any input, as the
-/// fused ops have no backward.
+/// path and the fused ops' reference, nor when a gradient must flow through any input (weights
+/// included), as the fused ops have no backward.
 pub(crate) fn fusable(inputs: &[&Tensor]) -> bool {
-    inputs.first().is_some_and(|x| !x.device().is_cpu()) && !inputs.iter().any(|t| t.track_op())
+    inputs.first().is_some_and(|x| !x.device().is_cpu()) && untracked(inputs)
+}
+
+/// Whether no gradient flows through any of `inputs`: an op without a backward (candle's fused
+/// softmax, RMSNorm, and statecut's own kernels) may run on them.
+pub(crate) fn untracked(inputs: &[&Tensor]) -> bool {
+    !inputs.iter().any(|t| t.track_op())
+}
+
+/// Softmax over the last dimension. candle's one-kernel `softmax_last_dim` has no backward, so a
+/// tracked input takes separate ops, with the row maximum held constant: softmax does not depend
+/// on it, and its backward then has no path through the maximum to cancel.
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    if untracked(&[x]) {
+        return candle_nn::ops::softmax_last_dim(x);
+    }
+    let max = x.max_keepdim(candle_core::D::Minus1)?.detach();
+    let num = x.broadcast_sub(&max)?.exp()?;
+    num.broadcast_div(&num.sum_keepdim(candle_core::D::Minus1)?)
 }
 
 /// The storage range of a contiguous layout, for the custom ops' CPU and CUDA halves; an error
@@ -116,7 +134,27 @@ pub(crate) fn as_rows(x: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::row_strided;
-    use candle_core::{Device, Tensor};
+    use candle_core::{Device, Tensor, Var};
+
+    /// The tracked softmax has softmax's gradient: for L = Σ w·softmax(x), dL/dx = p·(w - Σ p·w),
+    /// with masked (-inf) entries getting none; an untracked input gives the one-kernel result.
+    #[test]
+    fn softmax_gradient() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let mut xs = Tensor::randn(0f32, 2.0, (3, 5), &dev)?.to_vec2::<f32>()?;
+        xs[1][4] = f32::NEG_INFINITY;
+        let x = Var::from_tensor(&Tensor::new(xs, &dev)?)?;
+        let w = Tensor::randn(0f32, 1.0, (3, 5), &dev)?;
+        let p = super::softmax_last(x.as_tensor())?;
+        let fused = candle_nn::ops::softmax_last_dim(&x.as_tensor().detach())?;
+        assert!((&p - &fused)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        let grads = (&p * &w)?.sum_all()?.backward()?;
+        let got = grads.get(x.as_tensor()).expect("a gradient reaches the softmax input");
+        let want = (&p * w.broadcast_sub(&(&p * &w)?.sum_keepdim(1)?)?)?;
+        assert!((got - &want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        assert_eq!(got.to_vec2::<f32>()?[1][4], 0.0);
+        Ok(())
+    }
 
     /// Column slices of wider matrices are row views; sizes of one carry any stride; transposed
     /// or overlapping layouts are not row views.

@@ -44,8 +44,9 @@ impl RmsNorm {
     /// through it, this is candle's fused kernel (float32 inside), on x directly when the weight
     /// is exact in x's dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // candle's fused kernel has no backward: the Grad selector's pass takes the ops.
-        if !super::fusable(&[x]) {
+        // candle's fused kernel has no backward: a pass that differentiates the input or the
+        // weight takes the ops.
+        if !super::fusable(&[x, &self.weight]) {
             return self.forward_ops(x);
         }
         let eps = self.eps as f32;
@@ -60,7 +61,7 @@ impl RmsNorm {
     /// The residual sum h + y and its norm, (h + y, norm(h + y)): off the CPU, when no gradient
     /// flows, one kernel ([`AddRms`]) for the two ops (and their two launches).
     pub fn add_forward(&self, h: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
-        if !super::fusable(&[h, y]) || h.shape() != y.shape() || h.dtype() != y.dtype() {
+        if !super::fusable(&[h, y, &self.weight]) || h.shape() != y.shape() || h.dtype() != y.dtype() {
             let h = (h + y)?;
             let x = self.forward(&h)?;
             return Ok((h, x));
@@ -82,7 +83,7 @@ impl RmsNorm {
     /// Gated form used by fla `FusedRMSNormGated` and Qwen3.5: norm(x)·w·silu(gate), in float32,
     /// returned in x's dtype. Off the CPU, when no gradient flows, one kernel ([`GatedRms`]).
     pub fn forward_gated(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        if !super::fusable(&[x, gate]) {
+        if !super::fusable(&[x, gate, &self.weight]) {
             return self.forward_gated_ops(x, gate);
         }
         let gate = gate.to_dtype(x.dtype())?.contiguous()?;
