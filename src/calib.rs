@@ -327,6 +327,9 @@ impl Observer for Collector {
         if !self.layers.contains_key(&layer) {
             return Ok(());
         }
+        // What the observer keeps must not hold the pass's autograd graph (with --grad every
+        // sequence's graph would stay alive until `sync`).
+        let x = &x.detach();
         let d = x.dim(2)?;
         let n = x.elem_count() / d;
         // Each pass's float32 sum is accumulated in float64, left on the device until `sync` so
@@ -338,7 +341,7 @@ impl Observer for Collector {
             ones.matmul(&x.sqr()?.reshape((n, d))?)?.squeeze(0)?
         } else {
             // One pass over x in its own dtype instead of four float32 ones.
-            crate::ops::prep::column_sums_of_squares(&x.detach())?
+            crate::ops::prep::column_sums_of_squares(x)?
         };
         let sq = sq.to_dtype(DType::F64)?;
         let acc = match self.pending.remove(&layer) {
@@ -353,6 +356,7 @@ impl Observer for Collector {
     fn qk(&mut self, layer: usize, q: &Tensor, k: &Tensor) -> Result<()> {
         let skip = self.skip;
         let Some(l) = self.layers.get_mut(&layer) else { return Ok(()) };
+        let (q, k) = (q.detach(), k.detach());
         let (b, t, h, d) = k.dims4()?;
         offer_rows(&mut l.keys, &k.reshape((b, t, h * d))?, skip, &mut self.rngs, |s| &mut s.0)?;
         offer_rows(&mut l.queries, &q.reshape((b, t, h * d))?, skip, &mut self.rngs, |s| &mut s.1)?;
@@ -409,14 +413,29 @@ pub struct Calibration {
 }
 
 /// Sequences per forward pass when the user gives none: one on the CPU (the kernels already use
-/// every core) and when the backward must keep all layers; on a GPU up to 16384 tokens' worth,
-/// fewer when the free memory (read after the model is loaded) would not hold them.
-fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool, hidden: usize) -> usize {
-    if device.is_cpu() || grad {
-        1
-    } else {
-        gpu_batch(crate::device::free_memory(device), seqlen, hidden)
+/// every core); on a GPU up to 16384 tokens' worth, fewer when the free memory (read after the
+/// model is loaded) would not hold them, with a backward pass's activations of every one of
+/// `blocks` layers under `--grad`.
+fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool, hidden: usize, blocks: usize) -> usize {
+    if device.is_cpu() {
+        return 1;
     }
+    let free = crate::device::free_memory(device);
+    if grad {
+        grad_batch(free, seqlen, hidden, blocks)
+    } else {
+        gpu_batch(free, seqlen, hidden)
+    }
+}
+
+/// Bytes a `--grad` pass holds per token, per unit of hidden width and per decoder layer until its
+/// backward ends (the graph and the gradients of the composed chunked recurrence).
+const GRAD_BYTES_PER_TOKEN_PER_HIDDEN_PER_BLOCK: usize = 512;
+
+/// Sequences per `--grad` pass on a GPU with `free` bytes free (unknown: one), using at most half.
+pub(crate) fn grad_batch(free: Option<usize>, seqlen: usize, hidden: usize, blocks: usize) -> usize {
+    let per_sequence = GRAD_BYTES_PER_TOKEN_PER_HIDDEN_PER_BLOCK * seqlen.max(1) * hidden.max(1) * blocks.max(1);
+    free.map_or(1, |free| (free / 2 / per_sequence).clamp(1, 16384 / seqlen.max(1)).max(1))
 }
 
 /// Bytes of activations per token of a pass, an upper bound of what the H200 runs measured at
@@ -466,8 +485,9 @@ impl Calibration {
         let pb = crate::progress::bar(seqs.len() as u64, "calibrate", quiet);
         pb.set_position(self.sequences_done as u64);
         let hidden = self.fingerprint.hidden;
-        let batch =
-            batch.unwrap_or_else(|| auto_batch(model.device(), self.settings.seqlen, self.settings.grad, hidden));
+        let batch = batch.unwrap_or_else(|| {
+            auto_batch(model.device(), self.settings.seqlen, self.settings.grad, hidden, model.num_blocks())
+        });
         while self.sequences_done < seqs.len() {
             let first = self.sequences_done;
             let len = seqs[first].len();
@@ -681,6 +701,16 @@ mod tests {
     #[test]
     fn sha256_of_known_input() {
         assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    }
+
+    #[test]
+    fn grad_batch_fits_free_memory() {
+        // 1.3B shape: hidden 2048, 24 layers, 2048 tokens: 51.5 GB a sequence at this rate
+        let per = GRAD_BYTES_PER_TOKEN_PER_HIDDEN_PER_BLOCK * 2048 * 2048 * 24;
+        assert_eq!(grad_batch(Some(4 * per + per / 2), 2048, 2048, 24), 2);
+        assert_eq!(grad_batch(Some(per), 2048, 2048, 24), 1);
+        assert_eq!(grad_batch(None, 2048, 2048, 24), 1);
+        assert_eq!(grad_batch(Some(usize::MAX / 2), 2048, 2048, 24), 8, "never above 16384 tokens a pass");
     }
 
     #[test]

@@ -163,8 +163,8 @@ pub struct CalibArgs {
     pub grad: bool,
     /// Sequences per forward pass, or `auto` (the default): 1 on the CPU; on a GPU as many as
     /// make 16384 tokens and fit the memory free (with the current layer resident when
-    /// layer-streamed; 1 with --grad, whose backward keeps every layer's activations). Results
-    /// do not depend on it.
+    /// layer-streamed; with --grad, whose backward keeps every layer's activations, as many as
+    /// those fit). Results do not depend on it.
     #[arg(long, value_parser = batch_size)]
     pub batch_size: Option<Auto>,
 }

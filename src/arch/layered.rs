@@ -137,6 +137,10 @@ impl CausalLm for Resident {
         &self.vars
     }
 
+    fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
     fn device(&self) -> &Device {
         self.layers.device()
     }
@@ -173,6 +177,10 @@ impl CausalLm for Streamed {
 
     fn grad_vars(&self) -> &[(String, Var)] {
         &[]
+    }
+
+    fn num_blocks(&self) -> usize {
+        self.layers.num_blocks()
     }
 
     fn device(&self) -> &Device {

@@ -16,6 +16,7 @@ pub mod mamba2;
 pub mod nemotron_h;
 pub mod qwen3_5;
 pub mod sse;
+pub mod trainable;
 
 use crate::checkpoint::Checkpoint;
 use anyhow::{bail, Context, Result};
@@ -367,6 +368,8 @@ pub trait CausalLm {
     /// Projection weights loaded as variables (with `LoadOptions::grad`), by checkpoint name.
     fn grad_vars(&self) -> &[(String, Var)];
     fn device(&self) -> &Device;
+    /// Decoder layers: what a backward pass keeps activations for.
+    fn num_blocks(&self) -> usize;
     /// The stages of a layer-streamed model, which calibration, evaluation and inspection run
     /// layer-major (`crate::stream`) instead of calling [`CausalLm::forward`] per batch.
     fn layers(&self) -> Option<&dyn layered::Layers> {
@@ -412,6 +415,18 @@ pub trait Family: Sync {
     fn load(&self, ckpt: &Checkpoint, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
         let weights = ckpt.var_builder(opts.dtype, &opts.device)?;
         Ok(Box::new(layered::Resident::load(self.layers(ckpt, opts, weights)?)?))
+    }
+    /// The model with the tensors `select` accepts (by checkpoint name) loaded as variables,
+    /// returned with them: a loss over its logits can be differentiated with respect to each.
+    fn load_trainable(
+        &self,
+        ckpt: &Checkpoint,
+        opts: &LoadOptions,
+        select: trainable::Selector,
+    ) -> Result<(Box<dyn CausalLm>, trainable::Trainable)> {
+        let set = trainable::Trainable::default();
+        let weights = set.wrap(ckpt.var_builder(opts.dtype, &opts.device)?, select);
+        Ok((Box::new(layered::Resident::load(self.layers(ckpt, opts, weights)?)?), set))
     }
     /// Edit config.json so that the family's library rebuilds the model with key width `dk`.
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()>;

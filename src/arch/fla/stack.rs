@@ -139,6 +139,10 @@ impl<M: TokenMixer> CausalLm for FlaStack<M> {
         self.model.grad_vars()
     }
 
+    fn num_blocks(&self) -> usize {
+        self.model.num_blocks()
+    }
+
     fn device(&self) -> &Device {
         self.model.device()
     }
