@@ -521,3 +521,29 @@ fn prefill_kernels_match_cpu() {
     }
     eprintln!("prefill kernels match their cpu halves");
 }
+
+/// Gradients through the GPU path (float32 weights, the chunked recurrence and unfused ops)
+/// against PyTorch autograd's goldens, every model that has them.
+#[test]
+fn gradients_match_pytorch() {
+    let dev = gpu();
+    let mut models: Vec<(&str, std::path::PathBuf, std::path::PathBuf)> = Vec::new();
+    for name in ["qwen3_5_moe", "nemotron_h", "granite_h", "falcon_h1", "kimi_linear", "sse_gla", "sse_gdn", "sse_h"] {
+        models.push((name, common::fixture(name), common::fixture(name)));
+    }
+    models.push(("gdn_moby", common::embedded_model(), common::fixture("gdn_moby")));
+    for name in ["delta_net", "gated_deltanet", "mamba2", "qwen3_5"] {
+        if let Some(dir) = common::model_dir(name).filter(|d| d.is_dir()) {
+            models.push((name, dir.clone(), dir));
+        }
+    }
+    let failed: Vec<&str> = models
+        .iter()
+        .filter(|(name, dir, golden)| {
+            let run = || common::grad::check(name, dir, golden, &dev, 2e-3);
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err()
+        })
+        .map(|(name, ..)| *name)
+        .collect();
+    assert!(failed.is_empty(), "gradients differ from PyTorch's on the GPU: {failed:?}");
+}

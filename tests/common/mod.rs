@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod grad;
 pub mod pruned;
 
 use std::collections::HashMap;
