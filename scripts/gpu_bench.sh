@@ -36,6 +36,9 @@
 #                         than the GPU: wall time, peak GPU memory, per-stage seconds
 #   passkey:NAME          statecut eval --task passkey at 2K and 4K tokens, original vs pruned: accuracy
 #                         per depth, wall time, peak GPU memory
+#   grad:NAME             statecut prune --method grad --ratio 0.5 (gradients of the LM loss through the
+#                         backward pass) on GRAD_SAMPLES x 2048 tokens (default 128, several counts with
+#                         spaces): wall time, peak GPU memory, stage seconds
 # PRUNE_SAMPLES sets the calibration sequences of the pruned copies the decode stages time
 # (default 128); GRAPHS=0 skips the CUDA-graph run of speed:NAME.
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
@@ -89,7 +92,7 @@ ensure() {
 for stage in "$@"; do
   name=${stage#*:}
   case $stage in
-    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*) ensure "$name" ;;
+    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*|grad:*) ensure "$name" ;;
     decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
@@ -109,6 +112,16 @@ EOF
       python3 scripts/make_random_checkpoints.py $CK --models "$name" --tokenizer-from "$BUNDLE/tokenizer" \
         > "$OUT/make_$name.log" 2>&1
       tail -1 "$OUT/make_$name.log" ;;
+    grad:*)
+      for n in ${GRAD_SAMPLES:-128}; do
+        rm -rf $CK/$name-grad
+        peak "$OUT/grad_${name}_$n.log" $SC prune -m $CK/$name --method grad --ratio 0.5 --calib "$DATA" \
+          --nsamples $n --seqlen 2048 --device cuda --dtype bf16 -o $CK/$name-grad > "$OUT/grad_${name}_$n.json"
+        echo "grad $n: $(cat "$OUT/grad_${name}_$n.json")"; tail -2 "$OUT/grad_${name}_$n.log"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'seconds': r['seconds'], 'memory': r.get('memory')}))" \
+          $CK/$name-grad/statecut_report.json > "$OUT/grad_${name}_${n}_stages.json" && cat "$OUT/grad_${name}_${n}_stages.json"
+        rm -rf $CK/$name-grad
+      done ;;
     statecut:*)
       rm -rf $CK/$name-statecut
       peak "$OUT/statecut_$name.log" $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" \
