@@ -38,7 +38,7 @@
 #                         per depth, wall time, peak GPU memory
 #   grad:NAME             statecut prune --method grad --ratio 0.5 (gradients of the LM loss through the
 #                         backward pass) on GRAD_SAMPLES x 2048 tokens (default 128, several counts with
-#                         spaces): wall time, peak GPU memory, stage seconds
+#                         spaces; GRAD_BATCH sets --batch-size): wall time, peak GPU memory, stage seconds
 # PRUNE_SAMPLES sets the calibration sequences of the pruned copies the decode stages time
 # (default 128); GRAPHS=0 skips the CUDA-graph run of speed:NAME.
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
@@ -114,12 +114,14 @@ EOF
       tail -1 "$OUT/make_$name.log" ;;
     grad:*)
       for n in ${GRAD_SAMPLES:-128}; do
+        tag=${name}_$n${GRAD_BATCH:+_b$GRAD_BATCH}
         rm -rf $CK/$name-grad
-        peak "$OUT/grad_${name}_$n.log" $SC prune -m $CK/$name --method grad --ratio 0.5 --calib "$DATA" \
-          --nsamples $n --seqlen 2048 --device cuda --dtype bf16 -o $CK/$name-grad > "$OUT/grad_${name}_$n.json"
-        echo "grad $n: $(cat "$OUT/grad_${name}_$n.json")"; tail -2 "$OUT/grad_${name}_$n.log"
+        peak "$OUT/grad_$tag.log" $SC prune -m $CK/$name --method grad --ratio 0.5 --calib "$DATA" \
+          --nsamples $n --seqlen 2048 --device cuda --dtype bf16 ${GRAD_BATCH:+--batch-size $GRAD_BATCH} \
+          -o $CK/$name-grad > "$OUT/grad_$tag.json"
+        echo "grad $tag: $(cat "$OUT/grad_$tag.json")"; tail -2 "$OUT/grad_$tag.log"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'seconds': r['seconds'], 'memory': r.get('memory')}))" \
-          $CK/$name-grad/statecut_report.json > "$OUT/grad_${name}_${n}_stages.json" && cat "$OUT/grad_${name}_${n}_stages.json"
+          $CK/$name-grad/statecut_report.json > "$OUT/grad_${tag}_stages.json" && cat "$OUT/grad_${tag}_stages.json"
         rm -rf $CK/$name-grad
       done ;;
     statecut:*)
