@@ -18,12 +18,12 @@ pub fn resolve(path: &Path) -> PathBuf {
     let mut resolved = loop {
         match base.canonicalize() {
             Ok(p) => break p,
-            Err(_) => match (base.parent(), base.file_name()) {
-                (Some(parent), Some(name)) => {
-                    missing.push(name.to_os_string());
+            Err(_) => match (base.parent(), base.components().next_back()) {
+                // The last component may be `..`: it is applied once its parent is resolved.
+                (Some(parent), Some(last)) => {
+                    missing.push(last.as_os_str().to_os_string());
                     base = parent;
                 }
-                // `..` or the root: stop and apply the rest lexically.
                 _ => break base.to_path_buf(),
             },
         }
