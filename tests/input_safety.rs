@@ -152,7 +152,7 @@ fn names_both(line: &str, a: &Path, b: &Path) {
     assert!(line.contains(s(a)) && line.contains(s(b)), "{line} should name {} and {}", a.display(), b.display());
 }
 
-/// 1. `prune -m P/model -o P --overwrite` would replace P, and the model inside it.
+/// Case 1: `prune -m P/model -o P --overwrite` would replace P, and the model inside it.
 #[test]
 fn case01_output_containing_the_input_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -166,7 +166,7 @@ fn case01_output_containing_the_input_is_refused() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 2. `prune -m M -o M/model.safetensors --overwrite`.
+/// Case 2: `prune -m M -o M/model.safetensors --overwrite`.
 #[test]
 fn case02_output_on_the_weights_file_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -185,7 +185,7 @@ fn case02_output_on_the_weights_file_is_refused() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 3. `calibrate -m M --resume -o M/model.safetensors`.
+/// Case 3: `calibrate -m M --resume -o M/model.safetensors`.
 #[test]
 fn case03_calibrate_resume_onto_the_weights_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -198,7 +198,7 @@ fn case03_calibrate_resume_onto_the_weights_is_refused() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 4. `calibrate --resume -o A`, A a complete file made with other settings, is refused and A
+/// Case 4: `calibrate --resume -o A`, A a complete file made with other settings, is refused and A
 /// kept; so is a partial file of another model or of other settings.
 #[test]
 fn case04_resume_only_continues_its_own_partial_file() {
@@ -272,7 +272,7 @@ fn perturb_key_weight(model: &Path) {
     candle_core::safetensors::save(&t, &path).unwrap();
 }
 
-/// 5. Outputs inside the input directory: prune, calibrate, sweep (with and without --write),
+/// Case 5: Outputs inside the input directory: prune, calibrate, sweep (with and without --write),
 /// inspect --plot.
 #[test]
 fn case05_writes_into_the_input_are_refused() {
@@ -317,7 +317,7 @@ fn overwrite_replaces_only_statecut_outputs() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 6. A sweep with a bad evaluation or recall setting fails before calibrating, and the
+/// Case 6: A sweep with a bad evaluation or recall setting fails before calibrating, and the
 /// corrected command then runs in the same folder.
 #[test]
 fn case06_bad_sweep_settings_fail_first_and_block_nothing() {
@@ -351,7 +351,7 @@ fn case06_bad_sweep_settings_fail_first_and_block_nothing() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 7. SIGINT and SIGTERM during prune remove its staging (exit 130, 143); stale staging of dead
+/// Case 7: SIGINT and SIGTERM during prune remove its staging (exit 130, 143); stale staging of dead
 /// processes in a sweep folder is removed.
 #[test]
 fn case07_signals_leave_no_staging() {
@@ -406,7 +406,7 @@ fn case07_signals_leave_no_staging() {
     assert_eq!(digest(&model), before);
 }
 
-/// 8. `calibrate --resume -o DIR.safetensors` with a directory there fails before calibrating
+/// Case 8: `calibrate --resume -o DIR.safetensors` with a directory there fails before calibrating
 /// and leaves nothing; a failed `prune -o X/a/b/out` removes the directories it created.
 #[test]
 fn case08_failures_leave_nothing_behind() {
@@ -448,7 +448,7 @@ fn case08_failures_leave_nothing_behind() {
     assert_eq!(digest(&model), before);
 }
 
-/// 9. mqar with a huge context or sample count is refused at once, not an abort or an
+/// Case 9: mqar with a huge context or sample count is refused at once, not an abort or an
 /// unbounded run.
 #[test]
 fn case09_recall_sizes_are_bounded() {
@@ -465,7 +465,7 @@ fn case09_recall_sizes_are_bounded() {
     assert_eq!(digest(&model), before);
 }
 
-/// 10. `--prune-partitions`: refused above and at the partition count, refused on a model
+/// Case 10: `--prune-partitions`: refused above and at the partition count, refused on a model
 /// without partitions before calibrating, and kept in the recipe.
 #[test]
 fn case10_prune_partitions_is_checked_and_recorded() {
@@ -502,7 +502,7 @@ fn case10_prune_partitions_is_checked_and_recorded() {
     assert!(staging_under(tmp.path()).is_empty());
 }
 
-/// 11. Activations are byte-identical for identical inputs, and a same-shaped model with other
+/// Case 11: Activations are byte-identical for identical inputs, and a same-shaped model with other
 /// weights refuses them.
 #[test]
 fn case11_activations_are_reproducible_and_tied_to_their_model() {
