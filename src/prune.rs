@@ -384,7 +384,9 @@ impl<'a> Job<'a> {
         }
         let grad = self.calibrate_now && self.plan.method == Method::Grad;
         let (ckpt, family, layout) = (self.ckpt.clone(), self.family, self.layout.clone());
-        Ok(Some(crate::commands::load_opened(ckpt, family, layout, &self.args.model, &self.args.memory, grad, quiet)?))
+        // The tokenizer the plan names (the flag, or the recipe's).
+        let model = crate::cli::ModelArgs { tokenizer: self.plan.tokenizer.clone(), ..self.args.model.clone() };
+        Ok(Some(crate::commands::load_opened(ckpt, family, layout, &model, &self.args.memory, grad, quiet)?))
     }
 
     /// Saved activations, or a calibration pass now when the method needs one.
@@ -493,6 +495,8 @@ pub(crate) fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
         activations: p.activations.as_ref().map(|a| a.path.clone()),
         activations_sha256: p.activations.as_ref().and_then(|a| a.sha256.clone()),
         prune_partitions: p.prune_partitions,
+        // Absolute, so that the recipe replays from another directory.
+        tokenizer: p.tokenizer.as_ref().map(|t| t.canonicalize().unwrap_or_else(|_| t.clone())),
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Recipe {
     pub activations_sha256: Option<String>,
     /// SSE models: routed partitions kept per layer (`--prune-partitions`).
     pub prune_partitions: Option<usize>,
+    /// The tokenizer.json used instead of the model's own (`--tokenizer`).
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Recipe {
@@ -110,6 +112,8 @@ pub struct Plan {
     pub eval_seqlen: usize,
     /// SSE models: routed partitions kept per layer.
     pub prune_partitions: Option<usize>,
+    /// `--tokenizer`: the tokenizer.json used instead of the model's own.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// The recipe the plan came from, to tell given settings from defaults.
     #[serde(skip)]
     pub(crate) recipe: Recipe,
@@ -159,6 +163,7 @@ impl Plan {
             eval_windows: a.eval_windows.or(r.eval_windows).unwrap_or(64),
             eval_seqlen: a.eval_seqlen.or(r.eval_seqlen).unwrap_or(512),
             prune_partitions: a.prune_partitions.or(r.prune_partitions),
+            tokenizer: a.model.tokenizer.clone().or(r.tokenizer.clone()),
             recipe: r,
         })
     }

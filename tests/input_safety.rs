@@ -585,4 +585,11 @@ fn smaller_items() {
         serde_json::from_str(&std::fs::read_to_string(sweep.join("sweep.json")).unwrap()).unwrap();
     let cmd = report["recommendation"]["command"].as_str().expect("a recommendation");
     assert!(cmd.contains(&format!("--tokenizer {}", s(&tok))), "{cmd}");
+    // The recipe names the tokenizer too.
+    let out = tmp.path().join("with-tok");
+    let mut a = vec!["prune", "-q", "-m", s(&model), "--method", "l1", "--ratio", "0.5", "-o", s(&out)];
+    a.extend(["--tokenizer", s(&tok)]);
+    run_ok(&a);
+    let recipe = std::fs::read_to_string(out.join("statecut_recipe.toml")).unwrap();
+    assert!(recipe.contains(&format!("tokenizer = \"{}\"", s(&tok.canonicalize().unwrap()))), "{recipe}");
 }

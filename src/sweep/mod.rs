@@ -156,6 +156,7 @@ fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
             eval_seqlen: a.eval_seqlen,
             activations: None,
             prune_partitions: None,
+            tokenizer: a.model.tokenizer.clone(),
             recipe: Recipe::default(),
         };
         let k = plan(methods[0])
