@@ -264,8 +264,9 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
     };
     let m = load_opened(ckpt, family, layout, &args.model, &args.memory, args.calib.grad, quiet)?;
     let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
-    // A signal from here on saves the partial state before the run ends.
-    let resumable = crate::signals::Resumable::start();
+    // A signal from here on saves the partial state before the run ends (layer-streamed runs
+    // save no partial state: a signal ends them at once).
+    let resumable = (!m.streamed).then(crate::signals::Resumable::start);
     cal.run(m.model.as_ref(), &seqs, args.calib.batch(), Some((&partial, args.save_every)), quiet)?;
     cal.save(out, true)?;
     if partial.exists() {

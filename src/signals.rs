@@ -28,6 +28,23 @@ pub fn unregister(path: &Path) {
     staging().retain(|p| p != path);
 }
 
+/// Directories a run created for its output, deepest first: removed on a signal if empty.
+static CREATED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn created() -> MutexGuard<'static, Vec<PathBuf>> {
+    CREATED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Remember directories this run created (deepest first), to remove on a signal if empty.
+pub fn register_created(dirs: &[PathBuf]) {
+    created().extend_from_slice(dirs);
+}
+
+/// Forget them (the output is in place, or they were removed).
+pub fn unregister_created(dirs: &[PathBuf]) {
+    created().retain(|d| !dirs.contains(d));
+}
+
 /// Hold while moving staging into place, so that a signal does not remove it halfway: the
 /// signal's cleanup waits for the lock, and the path is unregistered under it.
 pub fn hold() -> MutexGuard<'static, Vec<PathBuf>> {
@@ -75,6 +92,9 @@ pub fn exit(sig: i32, saved: Option<&Path>) -> ! {
     let paths = staging();
     for p in paths.iter() {
         let _ = if p.is_dir() { std::fs::remove_dir_all(p) } else { std::fs::remove_file(p) };
+    }
+    for d in created().iter() {
+        let _ = std::fs::remove_dir(d);
     }
     match saved {
         Some(p) => eprintln!(

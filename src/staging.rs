@@ -157,8 +157,8 @@ pub struct Staged {
     pub target: PathBuf,
     overwrite: bool,
     committed: bool,
-    /// The topmost parent directory this run created, removed again if the run fails.
-    created: Option<PathBuf>,
+    /// The parent directories this run created, deepest first, removed again if it fails.
+    created: Vec<PathBuf>,
 }
 
 impl Staged {
@@ -174,9 +174,13 @@ impl Staged {
             crate::guard::check_replaceable(target)?;
         }
         let parent = parent_of(target);
-        let mut created = None;
-        if !parent.is_dir() {
-            created = parent.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last();
+        let created: Vec<PathBuf> = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        if !created.is_empty() {
+            crate::signals::register_created(&created);
             std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
         let tmp = sibling_tmp(target);
@@ -184,13 +188,7 @@ impl Staged {
             remove_any(&tmp)?;
         }
         crate::signals::register(&tmp);
-        Ok(Self {
-            tmp,
-            target: target.to_path_buf(),
-            overwrite,
-            committed: false,
-            created: created.map(Path::to_path_buf),
-        })
+        Ok(Self { tmp, target: target.to_path_buf(), overwrite, committed: false, created })
     }
 
     /// Move the finished directory into place, replacing an old one only now and in one step.
@@ -205,12 +203,15 @@ impl Staged {
             self.committed = true;
             held.retain(|p| p != &self.tmp);
             drop(held);
+            crate::signals::unregister_created(&self.created);
             remove_any(&old).with_context(|| format!("removing the replaced output {}", old.display()))?;
         } else {
             std::fs::rename(&self.tmp, &self.target)
                 .with_context(|| format!("renaming {} to {}", self.tmp.display(), self.target.display()))?;
             self.committed = true;
             held.retain(|p| p != &self.tmp);
+            drop(held);
+            crate::signals::unregister_created(&self.created);
         }
         Ok(())
     }
@@ -226,13 +227,12 @@ impl Drop for Staged {
         }
         crate::signals::unregister(&self.tmp);
         // Parents this run created, if nothing else was put in them.
-        if let Some(top) = &self.created {
-            for d in parent_of(&self.target).ancestors() {
-                if std::fs::remove_dir(d).is_err() || d == top {
-                    break;
-                }
+        for d in &self.created {
+            if std::fs::remove_dir(d).is_err() {
+                break;
             }
         }
+        crate::signals::unregister_created(&self.created);
     }
 }
 

@@ -358,20 +358,22 @@ fn case07_signals_leave_no_staging() {
     let tmp = tempfile::tempdir().unwrap();
     let model = padded_sse(&tmp.path().join("m"));
     let before = digest(&model);
-    let out = tmp.path().join("out");
+    // In directories the run creates: removed with its staging.
+    let x = tmp.path().join("x");
+    let out = x.join("a/out");
     let args = ["prune", "-q", "-m", s(&model), "--method", "l1", "--ratio", "0.5", "-o", s(&out)];
     for (sig, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
         let mut landed = false;
         for _ in 0..10 {
             let mut child = Command::new(bin()).args(args).stderr(Stdio::piped()).spawn().unwrap();
-            let staging = tmp.path().join(format!(".out.statecut-tmp-{}", child.id()));
+            let staging = x.join(format!("a/.out.statecut-tmp-{}", child.id()));
             while !staging.exists() && child.try_wait().unwrap().is_none() {
                 std::thread::yield_now();
             }
             signal(&child, sig);
             let done = child.wait_with_output().unwrap();
             if out.exists() {
-                std::fs::remove_dir_all(&out).unwrap();
+                std::fs::remove_dir_all(&x).unwrap();
                 continue;
             }
             assert_eq!(done.status.code(), Some(code), "{}", String::from_utf8_lossy(&done.stderr));
@@ -382,7 +384,7 @@ fn case07_signals_leave_no_staging() {
         }
         assert!(landed, "every run finished before the signal");
         assert!(staging_under(tmp.path()).is_empty(), "{:?}", staging_under(tmp.path()));
-        assert!(!out.exists());
+        assert!(!x.exists(), "{} left", x.display());
     }
     // Stale staging of a dead process inside a sweep folder.
     let eval = text(tmp.path());
