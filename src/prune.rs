@@ -427,7 +427,6 @@ pub(crate) fn calibrate(
     let hidden = m.ckpt.hidden_size().unwrap_or(0);
     let mut cal = Calibration::new(settings, &m.layout, hidden);
     cal.text_column = c.text_column.clone();
-    cal.fingerprint_weights(&m.ckpt)?;
     cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
     Ok(cal)
 }

@@ -327,29 +327,28 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
 /// Staging that dead runs left in it is removed.
 fn prepare_dir(out: &Path, settings: &Settings, fresh: bool) -> Result<()> {
     let path = out.join("sweep_settings.json");
-    if out.is_dir() && !path.exists() && std::fs::read_dir(out)?.next().is_some() {
-        bail!(
-            "{} is a non-empty directory that holds no sweep (no sweep_settings.json); statecut writes only into its own outputs: choose a new or empty -o",
-            out.display()
-        );
-    }
     if out.exists() && !out.is_dir() {
         bail!("{} is a file; -o names the sweep's output directory", out.display());
     }
     for d in [out.to_path_buf(), out.join("cells"), out.join("models")] {
         crate::staging::sweep_dir(&d)?;
     }
+    if out.is_dir() && !path.exists() && std::fs::read_dir(out)?.next().is_some() {
+        bail!(
+            "{} is a non-empty directory that holds no sweep (no sweep_settings.json); statecut writes only into its own outputs: choose a new or empty -o",
+            out.display()
+        );
+    }
+    let saved: Option<Settings> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let differs = path.exists() && saved.as_ref() != Some(settings);
     let finished = std::fs::read_dir(out.join("cells")).is_ok_and(|mut d| d.next().is_some());
-    let fresh = fresh || (path.exists() && !finished);
-    if path.exists() && !fresh {
-        let saved: Option<Settings> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok());
-        if saved.as_ref() != Some(settings) {
-            bail!(
-                "{} holds a sweep with other settings (model, calibration, evaluation or recall flags differ); pass the same flags to resume it, --fresh to discard it, or choose another -o",
-                out.display()
-            );
-        }
-    } else if fresh {
+    if differs && finished && !fresh {
+        bail!(
+            "{} holds a sweep with other settings (model, calibration, evaluation or recall flags differ); pass the same flags to resume it, --fresh to discard it, or choose another -o",
+            out.display()
+        );
+    }
+    if fresh || differs {
         for sub in ["cells", "activations.safetensors"] {
             let p = out.join(sub);
             if p.is_dir() {
@@ -392,8 +391,10 @@ fn calibration(
     let m = crate::commands::load(&a.model, grad, quiet)?;
     stages.add("load", t);
     let t = Instant::now();
-    let cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch(), quiet)?;
+    let mut cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch(), quiet)?;
     stages.add("calibrate", t);
+    // Saved for the next run of this sweep, which checks that the model is the same.
+    cal.fingerprint_weights(ckpt)?;
     cal.save(&path, true)?;
     Ok(cal)
 }
