@@ -463,6 +463,15 @@ fn case09_recall_sizes_are_bounded() {
         let e = run_err(&a);
         assert!(e.contains(bad[0]) && e.contains("whole number"), "{e}");
     }
+    // Within the bounds, but more logits than any memory holds: refused before loading.
+    let big = moby(&tmp.path().join("big-vocab"));
+    let cfg_path = big.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["vocab_size"] = 200_000.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let e = run_err(&["eval", "-q", "-m", s(&big), "--task", "mqar", "--pairs", "4", "--context-len", "1000000"]);
+    assert!(e.contains("GiB of logits") && e.contains("--context-len"), "{e}");
+    std::fs::remove_dir_all(&big).unwrap();
     assert_eq!(digest(tmp.path()).len(), before.len() + 1);
     assert_eq!(digest(&model), before);
 }
