@@ -24,6 +24,8 @@ pub const SEQ_TOKENS: Bound = Bound { lo: 2, hi: MAX_TOKENS };
 pub const PROMPT_TOKENS: Bound = Bound { lo: 1, hi: MAX_TOKENS };
 /// Windows, sequences, decode steps, iterations, save intervals.
 pub const COUNT: Bound = Bound { lo: 1, hi: 1 << 20 };
+/// Tokens between recall pairs and queries (none is fine).
+pub const GAP_TOKENS: Bound = Bound { lo: 0, hi: MAX_TOKENS };
 /// Warm-up rounds (none is fine).
 pub const WARMUP: Bound = Bound { lo: 0, hi: 1 << 20 };
 /// Key+query rows sampled per layer: half keys, half queries, so at least one of each.
@@ -95,6 +97,7 @@ pub fn check_recipe(r: &Recipe) -> Result<()> {
         ("round_to", r.round_to, WIDTH),
         ("eval_windows", r.eval_windows, COUNT),
         ("eval_seqlen", r.eval_seqlen, WINDOW_TOKENS),
+        ("prune_partitions", r.prune_partitions, WIDTH),
     ];
     for (key, v, bound) in whole {
         if let Some(v) = v {

@@ -384,6 +384,42 @@ pub struct ModelFingerprint {
     pub hidden: usize,
     /// (layer, key_heads, value_heads, dv) of every prunable layer.
     pub layers: Vec<(usize, usize, usize, usize)>,
+    /// sha256 of the key/query projection weights ([`qk_sha256`]): tells same-shaped models
+    /// apart. Absent in files written before it was recorded.
+    #[serde(default)]
+    pub weights: Option<String>,
+}
+
+/// sha256 over the names and stored bytes of the key/query projection tensors of `layout`, in
+/// name order (pickled checkpoints: their float32 values).
+pub fn qk_sha256(ckpt: &crate::checkpoint::Checkpoint, layout: &StateLayout) -> Result<String> {
+    use crate::arch::SliceRole;
+    use sha2::Digest;
+    let names: std::collections::BTreeSet<&str> = layout
+        .layers
+        .iter()
+        .flat_map(|l| &l.slices)
+        .filter(|s| matches!(s.role, SliceRole::QueryProj | SliceRole::KeyProj))
+        .map(|s| s.tensor.as_str())
+        .collect();
+    let mut h = sha2::Sha256::new();
+    for name in names {
+        h.update(name.as_bytes());
+        let info = ckpt.info(name)?;
+        if info.bytes.is_empty() {
+            h.update(
+                ckpt.tensor_f32(name)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            );
+        } else {
+            h.update(crate::checkpoint::read_bytes(info)?);
+        }
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl ModelFingerprint {
@@ -393,6 +429,7 @@ impl ModelFingerprint {
             dk: layout.dk,
             hidden,
             layers: layout.layers.iter().map(|l| (l.layer, l.key_heads, l.value_heads, l.dv)).collect(),
+            weights: None,
         }
     }
 }
@@ -521,9 +558,14 @@ impl Calibration {
             pb.inc(n as u64);
             if let Some((path, every)) = save {
                 let crossed = every > 0 && self.sequences_done / every > first / every;
-                if crossed && self.sequences_done < seqs.len() {
+                // SIGINT/SIGTERM during a resumable run: save what is done, then stop.
+                let stop = crate::signals::pending().filter(|_| self.sequences_done < seqs.len());
+                if (crossed || stop.is_some()) && self.sequences_done < seqs.len() {
                     self.collector.sync()?;
                     self.save(path, false)?;
+                }
+                if let Some(sig) = stop {
+                    crate::signals::exit(sig, Some(path));
                 }
             }
         }
@@ -590,7 +632,7 @@ impl Calibration {
         for (name, g) in &self.grad_sum {
             tensors.push((format!("grad_sum.{name}"), g.clone()));
         }
-        let mut meta = HashMap::new();
+        let mut meta = HashMap::new(); // written in key order (write_tensors_atomic)
         meta.insert("format".to_string(), "statecut-activations-v1".to_string());
         meta.insert("settings".to_string(), serde_json::to_string(&self.settings)?);
         meta.insert("fingerprint".to_string(), serde_json::to_string(&self.fingerprint)?);
@@ -622,6 +664,8 @@ impl Calibration {
         let seen: BTreeMap<usize, (u64, u64, u64)> = serde_json::from_str(get("seen")?)?;
         let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)?;
         let mut cal = Calibration::new(settings, layout, fingerprint.hidden);
+        // The weights are compared by [`Calibration::check_weights`], which needs the checkpoint.
+        cal.fingerprint.weights = fingerprint.weights.clone();
         if cal.fingerprint != fingerprint {
             anyhow::bail!(
                 "{} was calibrated on another model ({} d_k {} with {} layers; this model is {} d_k {} with {} layers)",
@@ -688,6 +732,52 @@ impl Calibration {
         cal.check_finite()?;
         Ok((cal, complete))
     }
+}
+
+impl Calibration {
+    /// Whether `path` is a statecut activations file (its header says so).
+    pub fn is_activations(path: &std::path::Path) -> bool {
+        use std::io::Read;
+        let header = || -> Option<String> {
+            let mut f = std::fs::File::open(path).ok()?;
+            let mut n = [0u8; 8];
+            f.read_exact(&mut n).ok()?;
+            let n = u64::from_le_bytes(n).min(1 << 24) as usize;
+            let mut buf = vec![0u8; n];
+            f.read_exact(&mut buf).ok()?;
+            String::from_utf8(buf).ok()
+        };
+        header().is_some_and(|h| h.contains("\"statecut-activations-v1\""))
+    }
+
+    /// Record the key/query weights of the model this calibration runs on.
+    pub fn fingerprint_weights(&mut self, ckpt: &crate::checkpoint::Checkpoint) -> Result<()> {
+        let layout = ckpt_layout(ckpt)?;
+        self.fingerprint.weights = Some(qk_sha256(ckpt, &layout)?);
+        Ok(())
+    }
+
+    /// Refuse a file loaded from `path` that was made on a model with other key/query weights.
+    pub fn check_weights(&self, path: &std::path::Path, ckpt: &crate::checkpoint::Checkpoint) -> Result<()> {
+        let have = qk_sha256(ckpt, &ckpt_layout(ckpt)?)?;
+        match &self.fingerprint.weights {
+            Some(w) if *w == have => Ok(()),
+            Some(w) => anyhow::bail!(
+                "{} was calibrated on another model of the same shape (key/query weights sha256 {}, this model's {}); calibrate this model",
+                path.display(),
+                &w[..w.len().min(12)],
+                &have[..12]
+            ),
+            None => anyhow::bail!(
+                "{} does not record which model's weights it was calibrated on (an older statecut wrote it); re-run `statecut calibrate`",
+                path.display()
+            ),
+        }
+    }
+}
+
+fn ckpt_layout(ckpt: &crate::checkpoint::Checkpoint) -> Result<StateLayout> {
+    crate::arch::family_for(ckpt)?.layout(ckpt)
 }
 
 /// sha256 of `bytes` as lowercase hex: identifies an activations file in reports and recipes.

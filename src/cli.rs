@@ -302,19 +302,19 @@ pub struct BenchArgs {
 #[derive(Debug, Clone, PartialEq, Args, serde::Serialize, serde::Deserialize)]
 pub struct RecallArgs {
     /// mqar: key-value pairs per sequence.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = COUNT.parser())]
     pub pairs: usize,
     /// mqar: random tokens between the key-value pairs and the first query.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = bounds::GAP_TOKENS.parser())]
     pub gap: usize,
     /// mqar: tokens per sequence (pairs, gap and the query section).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = WINDOW_TOKENS.parser())]
     pub context_len: usize,
     /// mqar: keys and values are drawn from token ids below this [default: the model's vocabulary].
     #[arg(long)]
     pub mqar_vocab: Option<usize>,
     /// passkey: comma-separated context lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192")]
+    #[arg(long, value_delimiter = ',', default_value = "2048,4096,8192", value_parser = WINDOW_TOKENS.parser())]
     pub lengths: Vec<usize>,
     /// passkey: comma-separated depths of the passkey in the filler, fractions in [0, 1].
     #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,1")]
@@ -323,7 +323,7 @@ pub struct RecallArgs {
     #[arg(long)]
     pub filler: Option<String>,
     /// Sequences per task (mqar) or per length and depth (passkey).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = COUNT.parser())]
     pub samples: usize,
     /// Seed of the generated recall sequences.
     #[arg(long, default_value_t = 0)]
@@ -341,10 +341,10 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.625,0.75")]
     pub ratios: Vec<f64>,
     /// Round the kept width down to a multiple of this.
-    #[arg(long)]
+    #[arg(long, value_parser = WIDTH.parser())]
     pub round_to: Option<usize>,
     /// DRRQR tolerance f > 1.
-    #[arg(long)]
+    #[arg(long, value_parser = bounds::parse_rrqr_f)]
     pub rrqr_f: Option<f64>,
     /// Which activations DRRQR scores: qk, k or q.
     #[arg(long)]
@@ -355,10 +355,10 @@ pub struct SweepArgs {
     #[arg(long, value_delimiter = ',', required = true)]
     pub eval: Vec<String>,
     /// Windows per evaluation text.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
     pub eval_windows: usize,
     /// Tokens per evaluation window.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
     pub eval_seqlen: usize,
     /// Comma-separated recall tasks to run on every cell: mqar, passkey.
     #[arg(long, value_delimiter = ',')]

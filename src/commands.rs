@@ -151,6 +151,10 @@ fn recall(args: &EvalArgs, quiet: bool) -> Result<()> {
 pub fn inspect(args: &InspectArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
     let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
+    if let Some(plot) = &args.plot {
+        let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
+        crate::guard::check_output("--plot", plot, &dir, &Checkpoint::open(&dir)?.files)?;
+    }
     let m = load_with(&args.model, &args.memory, false, quiet)?;
     let seqs = sequences(&m.tokenizer, &src, args.nsamples, args.seqlen, quiet)?;
     let mut r = crate::inspect::inspect(m.model.as_ref(), &m.layout, &seqs, args.rows, args.seed, quiet)?;
@@ -190,14 +194,32 @@ fn write_plots(dir: &std::path::Path, r: &crate::inspect::InspectReport) -> Resu
 
 pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
     use crate::calib::{CalibSettings, Calibration};
+    use anyhow::bail;
     let c = crate::recipe::Calib::resolve(&args.calib, &crate::recipe::Recipe::default())?;
     let src = TextSource::parse(c.source.as_deref(), &c.text_column)?;
-    let partial = args.output.with_extension("partial.safetensors");
-    if args.output.exists() && !args.resume {
-        anyhow::bail!("{} already exists; remove it or choose another -o", args.output.display());
+    let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
+    let ckpt = Checkpoint::open(&dir)?;
+    let out = &args.output;
+    let partial = out.with_extension("partial.safetensors");
+    crate::guard::check_output("-o", out, &dir, &ckpt.files)?;
+    // Never replaced, with or without --resume, which continues only the partial file.
+    if out.is_dir() {
+        bail!("{} is a directory; -o names the activations file to write", out.display());
     }
-    let m = load_with(&args.model, &args.memory, args.calib.grad, quiet)?;
-    let hidden = m.ckpt.hidden_size().unwrap_or(0);
+    if out.exists() {
+        let complete = args.resume && Calibration::is_activations(out);
+        bail!(
+            "{} already exists{}; remove it or choose another -o",
+            out.display(),
+            if complete { " (a complete activations file: --resume continues only its partial file)" } else { "" }
+        );
+    }
+    if partial.is_dir() {
+        bail!("{} is a directory; it is where -o {} saves its partial state", partial.display(), out.display());
+    }
+    let family = family_for(&ckpt)?;
+    let layout = family.layout(&ckpt)?;
+    let hidden = ckpt.hidden_size().unwrap_or(0);
     let settings = CalibSettings {
         nsamples: c.nsamples,
         seqlen: c.seqlen,
@@ -207,9 +229,17 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         source: c.source.clone().unwrap_or_else(|| "builtin".into()),
     };
     let mut cal = if args.resume && partial.exists() {
-        let (cal, _) = Calibration::load(&partial, &m.layout)?;
+        let (cal, complete) = Calibration::load(&partial, &layout)?;
+        if complete {
+            bail!(
+                "{} is marked complete, not a partial calibration; rename it to {} instead of resuming",
+                partial.display(),
+                out.display()
+            );
+        }
+        cal.check_weights(&partial, &ckpt)?;
         if cal.settings != settings || cal.text_column != c.text_column {
-            anyhow::bail!(
+            bail!(
                 "{} was started with other settings ({:?}); pass the same flags to resume",
                 partial.display(),
                 cal.settings
@@ -220,16 +250,29 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         }
         cal
     } else {
-        let mut cal = Calibration::new(settings, &m.layout, hidden);
+        if partial.exists() {
+            bail!(
+                "{} holds an interrupted calibration to {}; pass --resume to continue it, or remove it",
+                partial.display(),
+                out.display()
+            );
+        }
+        let mut cal = Calibration::new(settings, &layout, hidden);
         cal.text_column = c.text_column.clone();
+        cal.fingerprint_weights(&ckpt)?;
         cal
     };
+    let m = load_opened(ckpt, family, layout, &args.model, &args.memory, args.calib.grad, quiet)?;
     let seqs = sequences(&m.tokenizer, &src, c.nsamples, c.seqlen, quiet)?;
+    // A signal from here on saves the partial state before the run ends (layer-streamed runs
+    // save no partial state: a signal ends them at once).
+    let resumable = (!m.streamed).then(crate::signals::Resumable::start);
     cal.run(m.model.as_ref(), &seqs, args.calib.batch(), Some((&partial, args.save_every)), quiet)?;
-    cal.save(&args.output, true)?;
+    cal.save(out, true)?;
     if partial.exists() {
         std::fs::remove_file(&partial)?;
     }
+    drop(resumable);
     let rows: usize = cal.collector.layers.values().map(|l| l.keys.len() + l.queries.len()).sum();
     println!(
         "calibrated {} sequences ({} tokens): {} key/query rows over {} layers{} -> {}",
@@ -238,7 +281,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         rows,
         cal.collector.layers.len(),
         if args.calib.grad { ", gradients" } else { "" },
-        args.output.display()
+        out.display()
     );
     Ok(())
 }

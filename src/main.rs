@@ -2,6 +2,8 @@ use clap::Parser;
 use statecut::cli::{Cli, Command};
 
 fn main() {
+    // Before any thread starts: every later thread inherits the blocked signals.
+    statecut::signals::install();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // --help and --version print and exit 0; a usage error is one line and exit 1, as any other.

@@ -178,7 +178,12 @@ impl<'a> Job<'a> {
         family.set_key_width(&mut config, &layout, k)?;
         let model_type = ckpt.model_type()?;
         let serving = crate::serving::notes(&model_type, layout.dk, k, layout.layers.first().map_or(0, |l| l.dv));
-        let staged = Staged::new(&args.output, args.overwrite, &dir)?;
+        // Partition pruning's limits come from the config: checked now, not after calibration.
+        if let Some(count) = plan.prune_partitions {
+            let keep = layout.layers.iter().map(|l| (l.layer, (0..count).collect())).collect();
+            family.keep_partitions(&mut config.clone(), &keep)?;
+        }
+        let staged = Staged::new(&args.output, args.overwrite, &dir, &ckpt.files)?;
         let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
         let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
             Some(p) => {
@@ -186,6 +191,7 @@ impl<'a> Job<'a> {
                 if !complete {
                     bail!("{} is a partial calibration; finish it with `statecut calibrate --resume`", p.display());
                 }
+                cal.check_weights(&p, &ckpt)?;
                 if plan.method == Method::Grad && cal.grad_sum.is_empty() {
                     bail!("{} has no gradients; calibrate with --grad to use --method grad", p.display());
                 }
@@ -196,7 +202,7 @@ impl<'a> Job<'a> {
         };
         // Saved activations need the calibration text again only to count partition routing (the
         // text they were made from may be gone otherwise).
-        let calib_src = match (&saved, args.prune_partitions) {
+        let calib_src = match (&saved, plan.prune_partitions) {
             (Some(_), None) => TextSource::Builtin,
             _ => TextSource::parse(plan.calib.source.as_deref(), &plan.calib.text_column)?,
         };
@@ -248,6 +254,21 @@ impl<'a> Job<'a> {
         let mut clock = Clock::start();
         let loaded = self.load(quiet)?;
         clock.lap("load");
+        // The evaluation text is tokenized before calibrating: a text too short fails first.
+        let eval_tokens = match (&self.eval_src, &loaded) {
+            (Some(src), Some(m)) => {
+                Some(m.tokenizer.stream(src.documents()?, self.plan.eval_windows * self.plan.eval_seqlen + 1)?)
+            }
+            _ => None,
+        };
+        let wins = eval_tokens.as_ref().map(|t| windows(t, self.plan.eval_seqlen, self.plan.eval_windows));
+        if wins.as_ref().is_some_and(Vec::is_empty) {
+            bail!(
+                "--eval {}: shorter than one window of {} tokens; use a longer text or a smaller --eval-seqlen",
+                self.plan.eval.as_deref().unwrap_or_default(),
+                self.plan.eval_seqlen
+            );
+        }
         let calibration = self.calibrate(loaded.as_ref(), quiet)?;
         clock.lap("calibrate");
         let layers = select_all(&self.ckpt, &self.layout, &self.plan, self.k, calibration.as_ref(), quiet)?;
@@ -257,19 +278,12 @@ impl<'a> Job<'a> {
 
         // Baseline perplexity on the original, then the output is written, reloaded and
         // evaluated before it is committed.
-        let eval_tokens = match (&self.eval_src, &loaded) {
-            (Some(src), Some(m)) => {
-                Some(m.tokenizer.stream(src.documents()?, self.plan.eval_windows * self.plan.eval_seqlen + 1)?)
-            }
-            _ => None,
-        };
-        let wins = eval_tokens.as_ref().map(|t| windows(t, self.plan.eval_seqlen, self.plan.eval_windows));
         let before = match (&wins, &loaded) {
             (Some(w), Some(m)) => Some(ppl(m.model.as_ref(), w, quiet)?),
             _ => None,
         };
         let mut rows = kept_rows(&self.ckpt, &self.layout, &keep)?;
-        if let (Some(count), Some(m)) = (args.prune_partitions, &loaded) {
+        if let (Some(count), Some(m)) = (self.plan.prune_partitions, &loaded) {
             let seqs = crate::commands::sequences(
                 &m.tokenizer,
                 &self.calib_src,
@@ -364,13 +378,15 @@ impl<'a> Job<'a> {
 
     /// The model, when a stage needs it: opened once from the checkpoint already checked.
     fn load(&self, quiet: bool) -> Result<Option<crate::commands::Loaded>> {
-        let need = self.calibrate_now || self.eval_src.is_some() || self.args.prune_partitions.is_some();
+        let need = self.calibrate_now || self.eval_src.is_some() || self.plan.prune_partitions.is_some();
         if !need {
             return Ok(None);
         }
         let grad = self.calibrate_now && self.plan.method == Method::Grad;
         let (ckpt, family, layout) = (self.ckpt.clone(), self.family, self.layout.clone());
-        Ok(Some(crate::commands::load_opened(ckpt, family, layout, &self.args.model, &self.args.memory, grad, quiet)?))
+        // The tokenizer the plan names (the flag, or the recipe's).
+        let model = crate::cli::ModelArgs { tokenizer: self.plan.tokenizer.clone(), ..self.args.model.clone() };
+        Ok(Some(crate::commands::load_opened(ckpt, family, layout, &model, &self.args.memory, grad, quiet)?))
     }
 
     /// Saved activations, or a calibration pass now when the method needs one.
@@ -477,6 +493,9 @@ pub(crate) fn recipe_of(p: &Plan) -> crate::recipe::Recipe {
         eval_seqlen: Some(p.eval_seqlen),
         activations: p.activations.as_ref().map(|a| a.path.clone()),
         activations_sha256: p.activations.as_ref().and_then(|a| a.sha256.clone()),
+        prune_partitions: p.prune_partitions,
+        // Absolute, so that the recipe replays from another directory.
+        tokenizer: p.tokenizer.as_ref().map(|t| t.canonicalize().unwrap_or_else(|_| t.clone())),
     }
 }
 

@@ -29,15 +29,31 @@ pub struct Recipe {
     /// Saved activations (`--activations`) instead of calibrating, and the sha256 they must have.
     pub activations: Option<std::path::PathBuf>,
     pub activations_sha256: Option<String>,
+    /// SSE models: routed partitions kept per layer (`--prune-partitions`).
+    pub prune_partitions: Option<usize>,
+    /// The tokenizer.json used instead of the model's own (`--tokenizer`).
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Recipe {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading recipe {}", path.display()))?;
-        let r: Self =
-            toml::from_str(&text).with_context(|| format!("{} is not a valid statecut recipe", path.display()))?;
+        let r: Self = toml::from_str(&text).map_err(|e| {
+            anyhow::anyhow!("{} is not a valid statecut recipe: {}", path.display(), one_line(&e.to_string()))
+        })?;
         crate::bounds::check_recipe(&r).with_context(|| format!("recipe {}", path.display()))?;
         Ok(r)
+    }
+}
+
+/// A multi-line parser message (toml quotes the offending line) as one line: its last line, the
+/// cause ("unknown field `frobnicate`, expected ..."), after the position.
+fn one_line(msg: &str) -> String {
+    let lines: Vec<&str> = msg.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let cause = lines.last().copied().unwrap_or("");
+    match lines.first().and_then(|f| f.strip_prefix("TOML parse error at ")) {
+        Some(at) if lines.len() > 1 => format!("{cause} (at {at})"),
+        _ => cause.to_string(),
     }
 }
 
@@ -94,6 +110,10 @@ pub struct Plan {
     pub eval: Option<String>,
     pub eval_windows: usize,
     pub eval_seqlen: usize,
+    /// SSE models: routed partitions kept per layer.
+    pub prune_partitions: Option<usize>,
+    /// `--tokenizer`: the tokenizer.json used instead of the model's own.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// The recipe the plan came from, to tell given settings from defaults.
     #[serde(skip)]
     pub(crate) recipe: Recipe,
@@ -142,6 +162,8 @@ impl Plan {
             eval: a.eval.clone().or(r.eval.clone()),
             eval_windows: a.eval_windows.or(r.eval_windows).unwrap_or(64),
             eval_seqlen: a.eval_seqlen.or(r.eval_seqlen).unwrap_or(512),
+            prune_partitions: a.prune_partitions.or(r.prune_partitions),
+            tokenizer: a.model.tokenizer.clone().or(r.tokenizer.clone()),
             recipe: r,
         })
     }

@@ -55,20 +55,33 @@ fn remove_any(p: &Path) -> std::io::Result<()> {
 /// moved back if nothing has replaced it. Siblings of running processes are left alone.
 pub fn sweep(target: &Path) -> Result<()> {
     let Some(name) = target.file_name() else { return Ok(()) };
-    let prefix = format!(".{}.", name.to_string_lossy());
-    let Ok(entries) = std::fs::read_dir(parent_of(target)) else { return Ok(()) };
+    sweep_in(parent_of(target), Some(&name.to_string_lossy()))
+}
+
+/// [`sweep`] for every target in `dir` (a folder statecut writes many outputs into).
+pub fn sweep_dir(dir: &Path) -> Result<()> {
+    sweep_in(dir, None)
+}
+
+fn sweep_in(dir: &Path, only: Option<&str>) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
     for e in entries.flatten() {
         let file_name = e.file_name().to_string_lossy().into_owned();
-        let Some((kind, pid)) = file_name.strip_prefix(&prefix).and_then(|rest| rest.rsplit_once('-')) else {
+        // `.NAME.KIND-PID`, NAME itself possibly holding dots.
+        let Some(rest) = file_name.strip_prefix('.') else { continue };
+        let Some((stem, pid)) = rest.rsplit_once('-') else { continue };
+        let Some((name, kind)) = stem.rsplit_once('.') else { continue };
+        if only.is_some_and(|o| o != name) {
             continue;
-        };
+        }
         let Ok(pid) = pid.parse::<u32>() else { continue };
         if (kind != TMP && kind != OLD) || pid == std::process::id() || alive(pid) {
             continue;
         }
         let p = e.path();
+        let target = dir.join(name);
         if kind == OLD && !target.exists() {
-            std::fs::rename(&p, target).with_context(|| format!("restoring {}", target.display()))?;
+            std::fs::rename(&p, &target).with_context(|| format!("restoring {}", target.display()))?;
             eprintln!(
                 "restored {} from {} (a replacement by process {pid} was interrupted)",
                 target.display(),
@@ -120,12 +133,20 @@ fn replace(new: &Path, target: &Path) -> Result<PathBuf> {
 pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     sweep(path)?;
     let tmp = sibling_tmp(path);
+    crate::signals::register(&tmp);
     if let Err(e) = write(&tmp) {
         let _ = std::fs::remove_file(&tmp);
+        crate::signals::unregister(&tmp);
         return Err(e);
     }
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
+    let mut held = crate::signals::hold();
+    let renamed = std::fs::rename(&tmp, path);
+    held.retain(|p| p != &tmp);
+    drop(held);
+    if renamed.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    renamed.with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
 /// An output directory being built: a hidden sibling that becomes `target` on [`Staged::commit`],
@@ -136,44 +157,61 @@ pub struct Staged {
     pub target: PathBuf,
     overwrite: bool,
     committed: bool,
+    /// The parent directories this run created, deepest first, removed again if it fails.
+    created: Vec<PathBuf>,
 }
 
 impl Staged {
-    /// Check the target up front: it must not exist unless `overwrite`.
-    pub fn new(target: &Path, overwrite: bool, input: &Path) -> Result<Self> {
-        if let (Ok(a), Ok(b)) = (target.canonicalize(), input.canonicalize()) {
-            if a == b {
-                bail!("the output directory is the input model; choose another -o");
-            }
-        }
+    /// Check the target up front: it must not be or hold the input model (`input`, with its
+    /// weight files `weights`), and must not exist unless `overwrite` and statecut wrote it.
+    pub fn new(target: &Path, overwrite: bool, input: &Path, weights: &[PathBuf]) -> Result<Self> {
+        crate::guard::check_output("-o", target, input, weights)?;
         sweep(target)?;
         if target.exists() && !overwrite {
             bail!("output directory {} already exists; pass --overwrite to replace it", target.display());
         }
+        if target.exists() {
+            crate::guard::check_replaceable(target)?;
+        }
         let parent = parent_of(target);
-        if !parent.is_dir() {
+        let created: Vec<PathBuf> = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        if !created.is_empty() {
+            crate::signals::register_created(&created);
             std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
         let tmp = sibling_tmp(target);
         if tmp.exists() {
             remove_any(&tmp)?;
         }
-        Ok(Self { tmp, target: target.to_path_buf(), overwrite, committed: false })
+        crate::signals::register(&tmp);
+        Ok(Self { tmp, target: target.to_path_buf(), overwrite, committed: false, created })
     }
 
     /// Move the finished directory into place, replacing an old one only now and in one step.
     pub fn commit(mut self) -> Result<()> {
+        let mut held = crate::signals::hold();
         if self.target.exists() {
             if !self.overwrite {
                 bail!("{} appeared while this run was writing; pass --overwrite to replace it", self.target.display());
             }
+            crate::guard::check_replaceable(&self.target)?;
             let old = replace(&self.tmp, &self.target)?;
             self.committed = true;
+            held.retain(|p| p != &self.tmp);
+            drop(held);
+            crate::signals::unregister_created(&self.created);
             remove_any(&old).with_context(|| format!("removing the replaced output {}", old.display()))?;
         } else {
             std::fs::rename(&self.tmp, &self.target)
                 .with_context(|| format!("renaming {} to {}", self.tmp.display(), self.target.display()))?;
             self.committed = true;
+            held.retain(|p| p != &self.tmp);
+            drop(held);
+            crate::signals::unregister_created(&self.created);
         }
         Ok(())
     }
@@ -181,9 +219,20 @@ impl Staged {
 
 impl Drop for Staged {
     fn drop(&mut self) {
-        if !self.committed && self.tmp.exists() {
+        if self.committed {
+            return;
+        }
+        if self.tmp.exists() {
             let _ = remove_any(&self.tmp);
         }
+        crate::signals::unregister(&self.tmp);
+        // Parents this run created, if nothing else was put in them.
+        for d in &self.created {
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+        }
+        crate::signals::unregister_created(&self.created);
     }
 }
 
@@ -232,7 +281,8 @@ mod tests {
         let input = dir.path().join("in");
         std::fs::create_dir(&target).unwrap();
         std::fs::write(target.join("f"), b"old").unwrap();
-        let s = Staged::new(&target, true, &input).unwrap();
+        std::fs::write(target.join("statecut_report.json"), b"{}").unwrap();
+        let s = Staged::new(&target, true, &input, &[]).unwrap();
         std::fs::create_dir(&s.tmp).unwrap();
         std::fs::write(s.tmp.join("f"), b"new").unwrap();
         let tmp = s.tmp.clone();
@@ -241,7 +291,7 @@ mod tests {
         assert!(!tmp.exists());
         // A target that appears during a run without --overwrite is kept.
         std::fs::remove_dir_all(&target).unwrap();
-        let s = Staged::new(&target, false, &input).unwrap();
+        let s = Staged::new(&target, false, &input, &[]).unwrap();
         std::fs::create_dir(&s.tmp).unwrap();
         std::fs::create_dir(&target).unwrap();
         assert!(s.commit().is_err());

@@ -54,11 +54,36 @@ pub fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {
 }
 
 /// Write candle tensors to a safetensors file with metadata, via a temporary file + rename.
+/// The metadata is written in key order, so that equal inputs give byte-identical files.
 pub fn write_tensors_atomic(path: &Path, tensors: &[(String, Tensor)], meta: HashMap<String, String>) -> Result<()> {
     let raws = tensors.iter().map(|(n, t)| Ok((n.clone(), raw_of(t)?))).collect::<Result<Vec<_>>>()?;
+    let bytes = sorted_metadata(&safetensors::serialize(raws, Some(meta))?)?;
     crate::staging::write_atomic(path, |tmp| {
-        safetensors::serialize_to_file(raws, Some(meta), tmp).with_context(|| format!("writing {}", tmp.display()))
+        std::fs::write(tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))
     })
+}
+
+/// A serialized safetensors file with its `__metadata__` keys sorted (the writer takes them
+/// from a hash map, in an order that changes between runs). Tensor offsets are relative to the
+/// data, so only the header changes.
+fn sorted_metadata(file: &[u8]) -> Result<Vec<u8>> {
+    let n = u64::from_le_bytes(file[..8].try_into()?) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&file[8..8 + n])?;
+    if let Some(serde_json::Value::Object(meta)) = header.shift_remove("__metadata__") {
+        let sorted: BTreeMap<String, serde_json::Value> = meta.into_iter().collect();
+        let mut out = serde_json::Map::new();
+        out.insert("__metadata__".into(), serde_json::to_value(sorted)?);
+        out.extend(header);
+        header = out;
+    }
+    let mut text = serde_json::to_string(&header)?.into_bytes();
+    // The data must start 8-byte aligned: pad the header with spaces, as the writer does.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + file.len() - 8 - n);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&file[8 + n..]);
+    Ok(out)
 }
 
 /// The kept key/query channels: layer → key head → sorted channel indices.
@@ -89,6 +114,12 @@ pub fn kept_rows(ckpt: &Checkpoint, layout: &StateLayout, keep: &KeepSets) -> Re
         }
     }
     Ok(out)
+}
+
+/// Weight files and their indexes, in any format a model directory may hold.
+fn is_weights_file(name: &str) -> bool {
+    const EXT: [&str; 9] = [".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx"];
+    name.ends_with(".index.json") || EXT.iter().any(|e| name.ends_with(e))
 }
 
 /// What the writer did.
@@ -243,24 +274,29 @@ pub fn write_checkpoint(
         let index = serde_json::json!({"metadata": {"total_size": stats.bytes}, "weight_map": weight_map});
         std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)? + "\n")?;
     }
-    // Every other file (tokenizer, generation config, chat template, remote code) is carried over.
+    // Every other file (tokenizer, generation config, chat template, remote code) is carried
+    // over; weights this run did not rewrite (a pytorch_model.bin beside the safetensors) are not:
+    // they would be the unpruned model.
     let weights: BTreeSet<PathBuf> = ckpt.files.iter().cloned().collect();
     for e in std::fs::read_dir(&ckpt.dir)? {
         let p = e?.path();
         let name = p.file_name().unwrap().to_string_lossy().into_owned();
         let skip = weights.contains(&p)
+            || is_weights_file(&name)
             || name == "config.json"
-            || name == "model.safetensors.index.json"
             || name.starts_with('.')
             || name.starts_with("statecut_");
         if p.is_file() && !skip {
             let to = dir.join(&name);
             std::fs::copy(&p, &to).with_context(|| format!("copying {}", p.display()))?;
-            // Inputs may be read-only (hub cache, shared folders); outputs belong to the user.
-            let mut perm = std::fs::metadata(&to)?.permissions();
-            #[allow(clippy::permissions_set_readonly_false)]
-            perm.set_readonly(false);
-            std::fs::set_permissions(&to, perm)?;
+            // The input's mode, writable by its owner: inputs may be read-only (hub cache,
+            // shared folders), and outputs belong to the user.
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(&p)?.permissions().mode() & 0o777;
+                std::fs::set_permissions(&to, std::fs::Permissions::from_mode(mode | 0o200))?;
+            }
         }
     }
     // The input's own text with only the edited values replaced, where the edit allows.

@@ -84,6 +84,7 @@ fn cli_resume_continues_and_refuses_other_settings() {
     let settings =
         CalibSettings { nsamples: 4, seqlen: 64, seed: 0, rows: 5000, grad: false, source: "builtin".into() };
     let mut cal = Calibration::new(settings, &layout, 256);
+    cal.fingerprint_weights(&ckpt).unwrap();
     cal.run(model.as_ref(), &seqs[..2], Some(1), None, true).unwrap();
     cal.save(&tmp.path().join("acts.partial.safetensors"), false).unwrap();
     let (m, o) = (dir.to_str().unwrap(), out.to_str().unwrap());

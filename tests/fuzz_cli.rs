@@ -673,3 +673,186 @@ fn found_panics_stay_fixed() {
     let conv0 = Fault::ConfigKey("conv_size".into(), Some(Value::from(0)));
     assert_eq!(run_case(&s, "eval", 1, &conv0).unwrap(), 1);
 }
+
+/// Where a case puts its output, relative to the input model `P/model`.
+#[derive(Debug, Clone, Copy)]
+enum Near {
+    /// The model directory itself.
+    Equal,
+    /// Its parent `P`.
+    Parent,
+    /// A path inside it.
+    Child,
+    /// Its weights file.
+    Weights,
+    /// A symlink (outside the model) to the model directory.
+    LinkToModel,
+    /// A symlink (outside the model) to the weights file.
+    LinkToWeights,
+}
+
+const WRITERS: [&str; 4] = ["prune", "calibrate", "sweep", "inspect"];
+
+/// Run `statecut` with `args` for a writing subcommand with its output at `out`.
+fn writer_args(cmd: &str, model: &Path, out: &Path, flag: bool) -> Vec<String> {
+    let (m, o) = (model.to_string_lossy().into_owned(), out.to_string_lossy().into_owned());
+    let mut a: Vec<String> = vec![cmd.into(), "-q".into(), "-m".into(), m];
+    let rest: Vec<&str> = match cmd {
+        "prune" => vec!["--method", "l1", "--ratio", "0.5", "-o"],
+        "calibrate" => vec!["--nsamples", "1", "--seqlen", "16", "--rows", "16", "-o"],
+        "sweep" => vec!["--methods", "l1", "--ratios", "0.5", "--nsamples", "1", "--seqlen", "16", "--rows", "16"]
+            .into_iter()
+            .chain(["--eval-windows", "1", "--eval-seqlen", "16", "--eval", "README.md", "-o"])
+            .collect(),
+        _ => vec!["--nsamples", "1", "--seqlen", "16", "--rows", "16", "--plot"],
+    };
+    a.extend(rest.into_iter().map(String::from));
+    a.push(o);
+    if flag {
+        a.push(match cmd {
+            "prune" => "--overwrite".into(),
+            "calibrate" => "--resume".into(),
+            "sweep" => "--write".into(),
+            _ => "--json".into(),
+        });
+    }
+    a
+}
+
+/// Every writing subcommand, with its output equal to, around or linked to the input model (with
+/// and without --overwrite / --resume / --write): refused with one error line, the input and
+/// its parent unchanged, no staging left.
+#[test]
+fn outputs_near_the_input_never_touch_it() {
+    let near = prop_oneof![
+        Just(Near::Equal),
+        Just(Near::Parent),
+        Just(Near::Child),
+        Just(Near::Weights),
+        Just(Near::LinkToModel),
+        Just(Near::LinkToWeights),
+    ];
+    runner(24)
+        .run(&(0..WRITERS.len(), near, any::<bool>(), 0..3usize), |(cmd, near, flag, depth)| {
+            let cmd = WRITERS[cmd];
+            let case = tempfile::tempdir().unwrap();
+            let parent = case.path().join("p");
+            let model = parent.join("model");
+            std::fs::create_dir_all(&model).unwrap();
+            for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+                std::fs::copy(fixture("sse_gla").join(f), model.join(f)).unwrap();
+            }
+            let weights = model.join("model.safetensors");
+            let link = case.path().join("link");
+            let out = match near {
+                Near::Equal => model.clone(),
+                Near::Parent => parent.clone(),
+                Near::Child => (0..depth).fold(model.join("out"), |p, i| p.join(format!("d{i}"))),
+                Near::Weights => weights.clone(),
+                Near::LinkToModel => {
+                    std::os::unix::fs::symlink(&model, &link).unwrap();
+                    (0..depth).fold(link.clone(), |p, i| p.join(format!("d{i}")))
+                }
+                Near::LinkToWeights => {
+                    std::os::unix::fs::symlink(&weights, &link).unwrap();
+                    link.clone()
+                }
+            };
+            let before = snapshot(&parent);
+            let args = writer_args(cmd, &model, &out, flag);
+            let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (code, _, stderr) = common::statecut(&argv, &[("RUST_BACKTRACE", "0")]);
+            let ctx = || format!("statecut {}\nexit {code}\nstderr:\n{stderr}", args.join(" "));
+            prop_assert!(code == 1, "expected a refusal: {}", ctx());
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+            prop_assert!(errors.len() == 1 && stderr.lines().count() == 1, "one error line: {}", ctx());
+            prop_assert!(errors[0].contains("the input model"), "{}", ctx());
+            prop_assert!(snapshot(&parent) == before, "the input was modified: {}", ctx());
+            let left: Vec<PathBuf> =
+                snapshot(case.path()).into_keys().filter(|p| p.to_string_lossy().contains("statecut-tmp")).collect();
+            prop_assert!(left.is_empty(), "left {left:?}: {}", ctx());
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// SIGINT or SIGTERM at a random moment of prune, calibrate and sweep: each run ends with 130 or
+/// 143 (or 0, done first), no staging is left, and running the command again (calibrate with
+/// --resume) gives the uninterrupted result.
+#[test]
+fn signals_leave_no_staging_and_resume_matches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("sse_gla");
+    let whole = tmp.path().join("whole.safetensors");
+    let cal = |out: &Path| -> Vec<String> {
+        let mut a = writer_args("calibrate", &model, out, false);
+        let i = a.iter().position(|x| x == "--nsamples").unwrap();
+        a[i + 1] = "64".into();
+        a.extend(["--save-every".into(), "1".into()]);
+        a
+    };
+    let strs = |a: &[String]| a.iter().map(String::as_str).collect::<Vec<&str>>().join("\u{1}");
+    let (code, _, err) = common::statecut(&cal(&whole).iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert_eq!(code, 0, "{err}");
+    let whole = std::fs::read(&whole).unwrap();
+    let interrupted = std::cell::Cell::new(0);
+    runner(3)
+        .run(&(0u64..400, any::<bool>()), |(delay_ms, term)| {
+            for cmd in ["prune", "calibrate", "sweep"] {
+                let case = tempfile::tempdir().unwrap();
+                let out = case.path().join(if cmd == "calibrate" { "acts.safetensors" } else { "out" });
+                let args = match cmd {
+                    "calibrate" => cal(&out),
+                    "prune" => {
+                        let mut a = writer_args("prune", &model, &out, false);
+                        a[5] = "drrqr".into();
+                        a.extend(["--nsamples", "4", "--seqlen", "64"].map(String::from));
+                        a
+                    }
+                    _ => writer_args("sweep", &model, &out, true),
+                };
+                let child = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"))
+                    .args(&args)
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+                let sig = if term { libc::SIGTERM } else { libc::SIGINT };
+                // SAFETY: a signal to a child this test started.
+                unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+                let done = child.wait_with_output().unwrap();
+                let code = done.status.code();
+                let stderr = String::from_utf8_lossy(&done.stderr).into_owned();
+                let ctx = || format!("{} after {delay_ms} ms, exit {code:?}:\n{stderr}", strs(&args));
+                prop_assert!(code == Some(0) || code == Some(128 + sig), "{}", ctx());
+                interrupted.set(interrupted.get() + usize::from(code != Some(0)));
+                let left: Vec<PathBuf> = snapshot(case.path())
+                    .into_keys()
+                    .chain(std::fs::read_dir(case.path()).unwrap().map(|e| e.unwrap().path()))
+                    .filter(|p| p.to_string_lossy().contains("statecut-tmp"))
+                    .collect();
+                prop_assert!(left.is_empty(), "left {left:?}: {}", ctx());
+                // (A signal during calibrate's final save lets the save finish.)
+                if cmd == "calibrate" && out.exists() {
+                    prop_assert!(std::fs::read(&out).unwrap() == whole, "{}", ctx());
+                    continue;
+                }
+                // Again, to completion.
+                let mut again = args.clone();
+                match cmd {
+                    "calibrate" => again.push("--resume".into()),
+                    "prune" => again.push("--overwrite".into()),
+                    _ => {}
+                }
+                let (c, _, e) = common::statecut(&again.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+                prop_assert!(c == 0, "the rerun failed: {e}\n{}", ctx());
+                if cmd == "calibrate" {
+                    prop_assert!(std::fs::read(&out).unwrap() == whole, "the resumed file differs: {}", ctx());
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    eprintln!("{} of the runs were interrupted", interrupted.get());
+    assert!(interrupted.get() > 0, "every run finished before its signal");
+}

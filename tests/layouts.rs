@@ -269,8 +269,10 @@ fn mamba2_mamba_ssm_layout() {
     assert_eq!(slices(&gl), slices(&wl));
     assert_eq!(gl.dk, wl.dk);
 
-    // Pruning keeps the mamba_ssm format: pytorch_model.bin, `ssm_cfg.d_state` edited.
-    let out = tmp.path().join("pruned");
+    // Pruning keeps the mamba_ssm format: pytorch_model.bin, `ssm_cfg.d_state` edited. (The output
+    // goes outside the input model's directory, which statecut refuses to write into.)
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = out_dir.path().join("pruned");
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"))
         .args(["prune", "-m", tmp.path().to_str().unwrap(), "--method", "l1", "--ratio", "0.5", "-o"])
         .arg(&out)

@@ -77,7 +77,14 @@ fn existing_output_needs_overwrite() {
         &out,
     );
     assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
-    // With --overwrite the old directory is replaced only once the new one is complete.
+    // A directory statecut did not write is not replaced, even with --overwrite.
+    let mut args = vec!["prune", "-m", m.to_str().unwrap(), "--method", "l1", "--ratio", "0.5"];
+    args.extend(["-o", out.to_str().unwrap(), "--overwrite"]);
+    fails_cleanly(&args, "statecut did not write", &out);
+    assert_eq!(std::fs::read_to_string(out.join("keep.txt")).unwrap(), "mine");
+    // A previous output (it has a report): with --overwrite it is replaced only once the new
+    // one is complete.
+    std::fs::write(out.join("statecut_report.json"), "{}").unwrap();
     let (code, _, err) = common::statecut(
         &[
             "prune",

@@ -77,6 +77,9 @@ pub struct RecallResult {
     pub seconds: f64,
 }
 
+/// The most float32 logits one recall sequence may produce (64 GiB).
+const MAX_LOGITS_BYTES: u128 = 64 << 30;
+
 /// Check the settings of `tasks` against a model before anything runs: one clear error.
 ///
 /// A model with rotary position embeddings cannot read past `max_position_embeddings`; purely
@@ -87,6 +90,23 @@ pub fn check(tasks: &[Task], a: &RecallArgs, config: &Value, vocab: usize) -> Re
         match t {
             Task::Mqar => mqar::check(a, vocab)?,
             Task::Passkey => passkey::check(a)?,
+        }
+        // The forward returns logits for every position: refuse what no memory holds (instead
+        // of an allocation abort).
+        let logits = t.tokens(a) as u128 * vocab.max(1) as u128 * 4;
+        if logits > MAX_LOGITS_BYTES {
+            bail!(
+                "{} with {} tokens needs {} GiB of logits ({} tokens x vocabulary {vocab}), more than the {} GiB statecut allows; {}",
+                t.name(),
+                t.tokens(a),
+                logits >> 30,
+                t.tokens(a),
+                MAX_LOGITS_BYTES >> 30,
+                match t {
+                    Task::Mqar => "use a smaller --context-len",
+                    Task::Passkey => "use smaller --lengths",
+                }
+            );
         }
         if let Some(limit) = position_limit(config) {
             let n = t.tokens(a);

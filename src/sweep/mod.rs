@@ -30,6 +30,9 @@ use std::time::Instant;
 pub struct Settings {
     pub model: String,
     pub revision: String,
+    /// `--tokenizer`, when the model's own is not used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     pub dtype: String,
     pub device: String,
     pub calib: Option<String>,
@@ -104,10 +107,9 @@ fn cell_path(dir: &Path, method: &str, ratio: f64) -> PathBuf {
 }
 
 fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    let tmp = crate::surgery::sibling_tmp(path);
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    crate::staging::write_atomic(path, |tmp| {
+        std::fs::write(tmp, text).with_context(|| format!("writing {}", tmp.display()))
+    })
 }
 
 /// A validated sweep, before anything heavy runs.
@@ -153,6 +155,8 @@ fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
             eval_windows: a.eval_windows,
             eval_seqlen: a.eval_seqlen,
             activations: None,
+            prune_partitions: None,
+            tokenizer: a.model.tokenizer.clone(),
             recipe: Recipe::default(),
         };
         let k = plan(methods[0])
@@ -190,6 +194,7 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
     let settings = Settings {
         model: a.model.model.clone(),
         revision: a.model.revision.clone(),
+        tokenizer: a.model.tokenizer.as_ref().map(|t| t.display().to_string()),
         dtype: a.model.dtype.to_string(),
         device: a.model.device.to_string(),
         calib: calib.source.clone(),
@@ -208,6 +213,22 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
         recall_opts: a.recall_opts.clone(),
     };
     let out = &a.output;
+    crate::guard::check_output("-o", out, &dir, &ckpt.files)?;
+    // The evaluation windows, tokenized before anything heavy: a text too short fails now.
+    let t = Instant::now();
+    let streams = eval_srcs
+        .iter()
+        .map(|s| tokenizer.stream(s.documents()?, a.eval_windows * a.eval_seqlen + 1))
+        .collect::<Result<Vec<_>>>()?;
+    let wins: Vec<Vec<&[u32]>> = streams.iter().map(|t| windows(t, a.eval_seqlen, a.eval_windows)).collect();
+    if let Some(i) = wins.iter().position(Vec::is_empty) {
+        bail!(
+            "--eval {}: shorter than one window of {} tokens; use a longer text or a smaller --eval-seqlen",
+            a.eval[i],
+            a.eval_seqlen
+        );
+    }
+    stages.add("tokenize", t);
     prepare_dir(out, &settings, a.fresh)?;
 
     // What is left to do.
@@ -232,25 +253,9 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
         None
     } else {
         let grad = todo.iter().any(|(mi, _)| g.methods[*mi] == Method::Grad);
-        Some(calibration(a, out, &calib, &calib_src, &layout, grad, quiet, &mut stages)?)
+        Some(calibration(a, out, &calib, &calib_src, &ckpt, &layout, grad, quiet, &mut stages)?)
     };
     let factors = calibration.as_ref().map(|c| layers::Factors::of(c, &layout));
-
-    // Evaluation windows, tokenized once.
-    let t = Instant::now();
-    let streams = eval_srcs
-        .iter()
-        .map(|s| tokenizer.stream(s.documents()?, a.eval_windows * a.eval_seqlen + 1))
-        .collect::<Result<Vec<_>>>()?;
-    let wins: Vec<Vec<&[u32]>> = streams.iter().map(|t| windows(t, a.eval_seqlen, a.eval_windows)).collect();
-    if let Some(i) = wins.iter().position(Vec::is_empty) {
-        bail!(
-            "--eval {}: shorter than one window of {} tokens; use a longer text or a smaller --eval-seqlen",
-            a.eval[i],
-            a.eval_seqlen
-        );
-    }
-    stages.add("tokenize", t);
 
     let pb = crate::progress::bar(n_todo as u64, "sweep", quiet);
     let ev =
@@ -317,18 +322,33 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
     Ok(())
 }
 
-/// Create the output directory, or check that the sweep saved in it ran with `settings`.
+/// Create the output directory, or check that the sweep saved in it ran with `settings`. A
+/// folder that holds no finished cell keeps nothing worth resuming: its settings are replaced.
+/// Staging that dead runs left in it is removed.
 fn prepare_dir(out: &Path, settings: &Settings, fresh: bool) -> Result<()> {
     let path = out.join("sweep_settings.json");
-    if path.exists() && !fresh {
-        let saved: Option<Settings> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok());
-        if saved.as_ref() != Some(settings) {
-            bail!(
-                "{} holds a sweep with other settings (model, calibration, evaluation or recall flags differ); pass the same flags to resume it, --fresh to discard it, or choose another -o",
-                out.display()
-            );
-        }
-    } else if fresh {
+    if out.exists() && !out.is_dir() {
+        bail!("{} is a file; -o names the sweep's output directory", out.display());
+    }
+    for d in [out.to_path_buf(), out.join("cells"), out.join("models")] {
+        crate::staging::sweep_dir(&d)?;
+    }
+    if out.is_dir() && !path.exists() && std::fs::read_dir(out)?.next().is_some() {
+        bail!(
+            "{} is a non-empty directory that holds no sweep (no sweep_settings.json); statecut writes only into its own outputs: choose a new or empty -o",
+            out.display()
+        );
+    }
+    let saved: Option<Settings> = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let differs = path.exists() && saved.as_ref() != Some(settings);
+    let finished = std::fs::read_dir(out.join("cells")).is_ok_and(|mut d| d.next().is_some());
+    if differs && finished && !fresh {
+        bail!(
+            "{} holds a sweep with other settings (model, calibration, evaluation or recall flags differ); pass the same flags to resume it, --fresh to discard it, or choose another -o",
+            out.display()
+        );
+    }
+    if fresh || differs {
         for sub in ["cells", "activations.safetensors"] {
             let p = out.join(sub);
             if p.is_dir() {
@@ -354,6 +374,7 @@ fn calibration(
     out: &Path,
     calib: &Calib,
     src: &TextSource,
+    ckpt: &Checkpoint,
     layout: &StateLayout,
     grad: bool,
     quiet: bool,
@@ -362,7 +383,7 @@ fn calibration(
     let path = out.join("activations.safetensors");
     if path.exists() {
         let (cal, complete) = Calibration::load(&path, layout)?;
-        if complete && (!grad || !cal.grad_sum.is_empty()) {
+        if complete && (!grad || !cal.grad_sum.is_empty()) && cal.check_weights(&path, ckpt).is_ok() {
             return Ok(cal);
         }
     }
@@ -370,8 +391,10 @@ fn calibration(
     let m = crate::commands::load(&a.model, grad, quiet)?;
     stages.add("load", t);
     let t = Instant::now();
-    let cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch(), quiet)?;
+    let mut cal = crate::prune::calibrate(&m, calib, grad, src, a.calib.batch(), quiet)?;
     stages.add("calibrate", t);
+    // Saved for the next run of this sweep, which checks that the model is the same.
+    cal.fingerprint_weights(ckpt)?;
     cal.save(&path, true)?;
     Ok(cal)
 }
@@ -427,7 +450,7 @@ fn cell_model_dir(out: &Path, method: &str, ratio: f64) -> PathBuf {
 /// `--write`: the cell's pruned checkpoint under `out/models/`, written as `prune` writes it.
 fn write_cell(out: &Path, ckpt: &Checkpoint, rows: &RowMap, config: &serde_json::Value, plan: &Plan) -> Result<()> {
     let target = cell_model_dir(out, plan.method.name(), plan.ratio);
-    let staged = crate::surgery::Staged::new(&target, true, &ckpt.dir)?;
+    let staged = crate::surgery::Staged::new(&target, true, &ckpt.dir, &ckpt.files)?;
     crate::surgery::write_checkpoint(ckpt, rows, config, &staged.tmp)?;
     std::fs::write(staged.tmp.join("statecut_recipe.toml"), toml::to_string(&crate::prune::recipe_of(plan))?)?;
     staged.commit()

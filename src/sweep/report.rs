@@ -90,6 +90,9 @@ fn prune_command(s: &Settings, c: &Cell) -> String {
     if s.revision != "main" {
         flag("revision", s.revision.clone());
     }
+    if let Some(t) = &s.tokenizer {
+        flag("tokenizer", t.clone());
+    }
     if s.dtype != "auto" {
         flag("dtype", s.dtype.clone());
     }

@@ -102,10 +102,10 @@ impl Family for SseFamily {
         if keep.values().any(|k| k.len() != count) {
             bail!("every layer must keep the same number of partitions");
         }
-        if count <= topk || count > n {
+        if count <= topk || count >= n {
             bail!(
-                "--prune-partitions {count}: must be more than num_writer ({topk}, which fla requires) and at most \
-                 num_sparse_partition ({n})"
+                "--prune-partitions {count}: must be more than num_writer ({topk}, which fla requires) and less than \
+                 num_sparse_partition ({n}, which keeping them all leaves unchanged)"
             );
         }
         if keep.values().flatten().any(|&p| p >= n) {
