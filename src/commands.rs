@@ -197,7 +197,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
         anyhow::bail!("{} already exists; remove it or choose another -o", args.output.display());
     }
     let m = load_with(&args.model, &args.memory, args.calib.grad, quiet)?;
-    let hidden = m.ckpt.hidden_size().unwrap_or(0);
+    let hidden = m.ckpt.hidden_size()?;
     let settings = CalibSettings {
         nsamples: c.nsamples,
         seqlen: c.seqlen,
