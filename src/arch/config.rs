@@ -11,7 +11,12 @@ use serde_json::{Error, Value};
 
 /// Deserialize `value` (an object) into `T`, naming the key of a value of the wrong type.
 pub fn from_value<T: DeserializeOwned>(value: &Value) -> Result<T, Error> {
-    T::deserialize(Keyed { key: String::new(), value: value.clone() })
+    from_value_at(value, "")
+}
+
+/// [`from_value`] for the object at `path` of config.json (`text_config`), its keys named from there.
+pub fn from_value_at<T: DeserializeOwned>(value: &Value, path: &str) -> Result<T, Error> {
+    T::deserialize(Keyed { key: path.to_string(), value: value.clone() })
 }
 
 /// One config value with the path of keys that led to it.

@@ -181,7 +181,8 @@ pub struct Moe {
 
 impl TextConfig {
     pub fn from_value(variant: Variant, config: &Value) -> Result<Self> {
-        let cfg: Self = crate::arch::config::from_value(variant.text(config)?)?;
+        let at = if variant.wrapper() { "text_config" } else { "" };
+        let cfg: Self = crate::arch::config::from_value_at(variant.text(config)?, at)?;
         if variant.wrapper() {
             // the wrapper's own flag decides the head (`tied`): refuse one of the wrong type here
             crate::arch::config::from_value::<Top>(config)?;
@@ -441,6 +442,10 @@ mod tests {
         let mut t = text();
         t["attn_output_gate"] = json!("yes");
         assert!(err(Variant::Text, t).contains("config key attn_output_gate: "));
+        let mut t = text();
+        t["linear_num_key_heads"] = json!(2.5);
+        let cfg = json!({"model_type": "qwen3_5", "text_config": t});
+        assert!(err(Variant::Multimodal, cfg).contains("config key text_config.linear_num_key_heads: invalid type"));
         let cfg = json!({"model_type": "qwen3_5", "tie_word_embeddings": "true", "text_config": text()});
         assert!(err(Variant::Multimodal, cfg).contains("config key tie_word_embeddings: "));
     }
