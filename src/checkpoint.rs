@@ -167,14 +167,9 @@ impl Checkpoint {
         Ok(self.slice_rows(vb))
     }
 
-    /// The config.json value of `key` (top level, or under `text_config` for multimodal layouts).
-    /// `hidden_size` at the top level or under `text_config` (multimodal wrappers).
-    pub fn hidden_size(&self) -> Option<usize> {
-        let c = &self.config;
-        c.get("hidden_size")
-            .or_else(|| c.pointer("/text_config/hidden_size"))
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
+    /// The model width, whichever family wrote the config (see [`hidden_size`]).
+    pub fn hidden_size(&self) -> Result<usize> {
+        hidden_size(&self.config).with_context(|| format!("{}/config.json", self.dir.display()))
     }
 
     pub fn model_type(&self) -> Result<String> {
@@ -338,6 +333,24 @@ impl Checkpoint {
     }
 }
 
+/// The model width as every family spells it: `hidden_size`, mamba_ssm's `d_model`, or
+/// `text_config.hidden_size` (multimodal wrappers). An error when none is there or the value is
+/// not a whole number.
+pub fn hidden_size(config: &Value) -> Result<usize> {
+    for key in ["hidden_size", "d_model", "text_config.hidden_size"] {
+        match config.pointer(&format!("/{}", key.replace('.', "/"))) {
+            None | Some(Value::Null) => continue,
+            Some(v) => {
+                return v
+                    .as_u64()
+                    .map(|n| n as usize)
+                    .with_context(|| format!("config key {key} is {v}, not a whole number"))
+            }
+        }
+    }
+    bail!("config.json has no hidden_size (nor mamba_ssm's d_model or text_config.hidden_size)")
+}
+
 /// `model_type` from config.json (top level). mamba_ssm configs have none: they are recognised
 /// by `ssm_cfg` and named after their layer (`mamba2`, or `mamba` for Mamba-1).
 pub fn model_type(config: &Value) -> Result<String> {
@@ -349,4 +362,22 @@ pub fn model_type(config: &Value) -> Result<String> {
         return Ok(if mamba2 { "mamba2" } else { "mamba" }.to_string());
     }
     bail!("config.json has no model_type")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn hidden_size_in_every_spelling() {
+        assert_eq!(hidden_size(&json!({"hidden_size": 64})).unwrap(), 64);
+        assert_eq!(hidden_size(&json!({"d_model": 768, "ssm_cfg": {"layer": "Mamba2"}})).unwrap(), 768);
+        assert_eq!(hidden_size(&json!({"text_config": {"hidden_size": 2048}})).unwrap(), 2048);
+        assert_eq!(hidden_size(&json!({"hidden_size": null, "d_model": 32})).unwrap(), 32);
+        let e = hidden_size(&json!({"hidden_size": "64"})).unwrap_err().to_string();
+        assert!(e.contains("config key hidden_size is \"64\""), "{e}");
+        let e = hidden_size(&json!({"n_layer": 2})).unwrap_err().to_string();
+        assert!(e.contains("has no hidden_size"), "{e}");
+    }
 }

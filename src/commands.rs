@@ -219,7 +219,7 @@ pub fn calibrate(args: &crate::cli::CalibrateArgs, quiet: bool) -> Result<()> {
     }
     let family = family_for(&ckpt)?;
     let layout = family.layout(&ckpt)?;
-    let hidden = ckpt.hidden_size().unwrap_or(0);
+    let hidden = ckpt.hidden_size()?;
     let settings = CalibSettings {
         nsamples: c.nsamples,
         seqlen: c.seqlen,

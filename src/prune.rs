@@ -424,7 +424,7 @@ pub(crate) fn calibrate(
         grad,
         source: c.source.clone().unwrap_or_else(|| "builtin".into()),
     };
-    let hidden = m.ckpt.hidden_size().unwrap_or(0);
+    let hidden = m.ckpt.hidden_size()?;
     let mut cal = Calibration::new(settings, &m.layout, hidden);
     cal.text_column = c.text_column.clone();
     cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;

@@ -204,3 +204,28 @@ fn bad_patterns_and_layer_lists() {
         with_config(tmp.path(), "kimi_linear", |c| c["linear_attn_config"]["kda_layers"] = serde_json::json!([1, 2]));
     fails_cleanly(&d, "layer 4 is in neither kda_layers nor full_attn_layers");
 }
+
+/// A value of the wrong type is an error naming the key and the file, never the default.
+#[test]
+fn wrong_types_name_the_key_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, key, bad) in [
+        ("falcon_h1", "mamba_conv_bias", Value::from("yes")),
+        ("falcon_h1", "rope_theta", Value::from("1e11")),
+        ("falcon_h1", "mlp_multipliers", serde_json::json!([1.0])),
+        ("granite_h_dense", "rope_theta", Value::from("1e4")),
+        ("granite_h", "mamba_conv_bias", Value::from(1)),
+        ("nemotron_h", "use_conv_bias", Value::from("yes")),
+        ("nemotron_h", "layer_norm_epsilon", Value::from("1e-5")),
+    ] {
+        let d = with_config(tmp.path(), name, |c| c[key] = bad.clone());
+        fails_cleanly(&d, &d.join("config.json").display().to_string());
+        fails_cleanly(&d, &format!("config key {key}: invalid "));
+    }
+    // Kimi Linear refuses pruning before it reads the config: load it instead
+    let d = with_config(tmp.path(), "kimi_linear", |c| c["linear_attn_config"]["num_heads"] = "2".into());
+    let ckpt = Checkpoint::open(&d).unwrap();
+    let e = family_for(&ckpt).unwrap().load(&ckpt, &statecut::arch::LoadOptions::cpu_f32()).err().unwrap();
+    let e = format!("{e:#}");
+    assert!(e.contains("config.json") && e.contains("config key linear_attn_config.num_heads: invalid type"), "{e}");
+}

@@ -307,3 +307,44 @@ fn mamba2_mamba_ssm_layout() {
     let ids = Tensor::new(&[[1u32, 5, 9, 2]], &Device::Cpu).unwrap();
     model.forward(&ids, &mut statecut::arch::NoObserver).unwrap();
 }
+
+/// mamba_ssm's `d_model` is the hidden size: `calibrate` records it in the activations file,
+/// which checks the stored rows against it on load (0 skipped that check).
+#[test]
+fn mamba_ssm_hidden_size() {
+    let Some(src) = source("mamba2") else { return };
+    let (hf, tensors) = read(&src);
+    let mut out: Tensors =
+        tensors.iter().map(|(k, v)| (k.replace("backbone.embeddings.", "backbone.embedding."), v.clone())).collect();
+    out.insert("lm_head.weight".into(), tensors["backbone.embeddings.weight"].clone());
+    let c = |k: &str| hf[k].clone();
+    let config = json!({
+        "d_model": c("hidden_size"),
+        "n_layer": c("num_hidden_layers"),
+        "vocab_size": c("vocab_size"),
+        "ssm_cfg": {"layer": "Mamba2", "d_state": c("state_size"), "headdim": c("head_dim"),
+                    "ngroups": c("n_groups"), "expand": c("expand"), "d_conv": c("conv_kernel")},
+    });
+    let tmp = tempfile::tempdir().unwrap();
+    write_config(tmp.path(), &config);
+    save_pth(&tmp.path().join("pytorch_model.bin"), &out).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+        }
+    }
+    let hidden = hf["hidden_size"].as_u64().unwrap() as usize;
+    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    assert_eq!(ckpt.hidden_size().unwrap(), hidden);
+
+    let acts = tmp.path().join("acts.safetensors");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"))
+        .args(["calibrate", "-m", tmp.path().to_str().unwrap(), "--nsamples", "2", "--seqlen", "32", "-q", "-o"])
+        .arg(&acts)
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let layout = family_for(&ckpt).unwrap().layout(&ckpt).unwrap();
+    let (cal, _) = statecut::calib::Calibration::load(&acts, &layout).unwrap();
+    assert_eq!(cal.fingerprint.hidden, hidden);
+}

@@ -5,11 +5,11 @@
 //! pruned checkpoint reloads in the family's own library. Everything else (calibration,
 //! selectors, surgery, reports) is written once against these descriptions.
 
+pub mod config;
 mod defaults;
 pub mod falcon_h1;
 pub mod fla;
 pub mod granite_h;
-pub mod keys;
 pub mod kimi_linear;
 pub mod layered;
 pub mod mamba2;
@@ -508,15 +508,16 @@ pub fn family_for(ckpt: &Checkpoint) -> Result<&'static dyn Family> {
     )
 }
 
-/// Read a typed config from JSON with a message naming the file.
+/// Read a typed config from JSON with one line naming the file and the key.
 pub fn parse<T: serde::de::DeserializeOwned>(ckpt: &Checkpoint, value: &Value) -> Result<T> {
-    serde_json::from_value(value.clone()).with_context(|| {
-        format!(
-            "{}/config.json does not match the {} format",
-            ckpt.dir.display(),
-            ckpt.model_type().unwrap_or_default()
-        )
-    })
+    let family = ckpt.model_type().unwrap_or_default();
+    parse_as(ckpt, value, &family)
+}
+
+/// [`parse`] for a family named `family` in the message.
+pub fn parse_as<T: serde::de::DeserializeOwned>(ckpt: &Checkpoint, value: &Value, family: &str) -> Result<T> {
+    config::from_value(value)
+        .map_err(|e| anyhow::anyhow!("{}/config.json does not match the {family} format: {e}", ckpt.dir.display()))
 }
 
 #[cfg(test)]

@@ -6,9 +6,10 @@
 //! The key width is `mamba_d_state`; the in_proj segment multipliers are recomputed from the
 //! config by transformers, so they follow a new width.
 
-use super::keys::{bool_of, f64_of, f64s_of, rope_theta, usize_of};
+use super::config::{rope_theta, AutoSize, Limit, RopeParameters};
+use super::defaults;
 use super::layered::Layers;
-use super::{Family, LoadOptions, StateLayout};
+use super::{parse_as, Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::attention::{Attention, AttentionSpec, Rope};
 use crate::layers::block::{Layer, Step, Sublayer};
@@ -19,6 +20,7 @@ use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_nn::{linear_b, VarBuilder};
+use serde::Deserialize;
 use serde_json::Value;
 
 #[derive(Debug, Clone)]
@@ -40,49 +42,119 @@ struct FalconH1Config {
     mlp_scales: [f64; 2],
 }
 
+/// The config.json keys of transformers' `FalconH1Config`, with its defaults.
+#[derive(Debug, Deserialize)]
+struct Keys {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    vocab_size: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    #[serde(default = "defaults::eps5")]
+    rms_norm_eps: f64,
+    #[serde(default)]
+    mamba_d_ssm: Option<usize>,
+    #[serde(default = "two")]
+    mamba_expand: f64,
+    #[serde(default = "defaults::d128")]
+    mamba_n_heads: usize,
+    #[serde(default)]
+    mamba_d_head: AutoSize,
+    #[serde(default = "defaults::one")]
+    mamba_n_groups: usize,
+    #[serde(default = "defaults::d256")]
+    mamba_d_state: usize,
+    #[serde(default = "defaults::four")]
+    mamba_d_conv: usize,
+    #[serde(default = "defaults::yes")]
+    mamba_conv_bias: bool,
+    #[serde(default)]
+    mamba_proj_bias: bool,
+    #[serde(default)]
+    projectors_bias: bool,
+    #[serde(default)]
+    time_step_limit: Limit,
+    #[serde(default)]
+    mamba_rms_norm: bool,
+    #[serde(default = "defaults::yes")]
+    mamba_norm_before_gate: bool,
+    #[serde(default = "defaults::unit")]
+    ssm_in_multiplier: f64,
+    #[serde(default = "defaults::units")]
+    ssm_multipliers: [f64; 5],
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    rope_theta: Option<f64>,
+    #[serde(default)]
+    rope_parameters: Option<RopeParameters>,
+    #[serde(default = "defaults::unit")]
+    key_multiplier: f64,
+    #[serde(default = "defaults::silu")]
+    hidden_act: String,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default = "defaults::unit")]
+    embedding_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    lm_head_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    ssm_out_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    attention_in_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    attention_out_multiplier: f64,
+    #[serde(default)]
+    mlp_bias: bool,
+    #[serde(default = "defaults::units")]
+    mlp_multipliers: [f64; 2],
+}
+
+fn two() -> f64 {
+    2.0
+}
+
 impl FalconH1Config {
-    fn from_value(c: &Value) -> Result<Self> {
-        let hidden = usize_of(c, "hidden_size", None)?;
-        let eps = f64_of(c, "rms_norm_eps", 1e-5)?;
-        let d_inner = match c.get("mamba_d_ssm") {
-            None | Some(Value::Null) => (f64_of(c, "mamba_expand", 2.0)? * hidden as f64) as usize,
-            Some(_) => usize_of(c, "mamba_d_ssm", None)?,
-        };
-        let heads = usize_of(c, "mamba_n_heads", Some(128))?;
-        let head_dim = match c.get("mamba_d_head") {
-            None | Some(Value::String(_)) => d_inner / heads.max(1), // "auto"
-            Some(_) => usize_of(c, "mamba_d_head", None)?,
-        };
-        let groups = usize_of(c, "mamba_n_groups", Some(1))?;
+    fn from_keys(c: Keys) -> Result<Self> {
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        let d_inner = c.mamba_d_ssm.unwrap_or((c.mamba_expand * hidden as f64) as usize);
+        let heads = c.mamba_n_heads;
+        let head_dim = c.mamba_d_head.0.unwrap_or(d_inner / heads.max(1));
+        let groups = c.mamba_n_groups;
         let dims = Mamba2Dims {
             hidden,
             heads,
             head_dim,
-            state: usize_of(c, "mamba_d_state", Some(256))?,
+            state: c.mamba_d_state,
             groups,
             d_inner,
-            conv_kernel: usize_of(c, "mamba_d_conv", Some(4))?,
-            conv_bias: bool_of(c, "mamba_conv_bias", true),
-            in_bias: bool_of(c, "mamba_proj_bias", false),
-            out_bias: bool_of(c, "projectors_bias", false),
+            conv_kernel: c.mamba_d_conv,
+            conv_bias: c.mamba_conv_bias,
+            in_bias: c.mamba_proj_bias,
+            out_bias: c.projectors_bias,
             eps,
-            dt_limit: super::mamba2::limit(c.get("time_step_limit"))?,
-            norm: if bool_of(c, "mamba_rms_norm", false) {
-                OutputNorm::Gated { groups, before_gate: bool_of(c, "mamba_norm_before_gate", true) }
+            dt_limit: (c.time_step_limit.0, c.time_step_limit.1),
+            norm: if c.mamba_rms_norm {
+                OutputNorm::Gated { groups, before_gate: c.mamba_norm_before_gate }
             } else {
                 OutputNorm::None
             },
-            in_scale: f64_of(c, "ssm_in_multiplier", 1.0)?,
-            segment_scales: f64s_of(c, "ssm_multipliers", [1.0; 5])?,
+            in_scale: c.ssm_in_multiplier,
+            segment_scales: c.ssm_multipliers,
         };
         dims.check().context("the Mamba-2 sizes of config.json (mamba_n_heads, mamba_d_head, mamba_d_ssm)")?;
-        let heads_a = usize_of(c, "num_attention_heads", None)?;
-        let hd = usize_of(c, "head_dim", Some(hidden / heads_a.max(1)))?;
-        let bias = bool_of(c, "attention_bias", false);
+        let heads_a = c.num_attention_heads;
+        let hd = c.head_dim.unwrap_or(hidden / heads_a.max(1));
+        let bias = c.attention_bias;
         let attention = AttentionSpec {
             hidden,
             heads: heads_a,
-            kv_heads: usize_of(c, "num_key_value_heads", Some(heads_a))?,
+            kv_heads: c.num_key_value_heads.unwrap_or(heads_a),
             head_dim: hd,
             qkv_bias: bias,
             o_bias: bias,
@@ -90,40 +162,39 @@ impl FalconH1Config {
             output_gate: false,
             rope: Some(Rope {
                 dim: hd,
-                theta: rope_theta(c, 10000.0),
+                theta: rope_theta(c.rope_parameters.as_ref(), c.rope_theta, 10000.0),
                 inv_freq_dtype: DType::F32,
                 f32_rotation: false,
             }),
             // the keys' muP multiplier scales every score (RoPE and the cache are linear in k)
-            scale: (hd as f64).powf(-0.5) * f64_of(c, "key_multiplier", 1.0)?,
+            scale: (hd as f64).powf(-0.5) * c.key_multiplier,
             window: None,
         };
-        let act = c.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
-            bail!("hidden_act \"{act}\" is not supported (Falcon-H1 uses silu)");
+        if c.hidden_act != "silu" {
+            bail!("hidden_act \"{}\" is not supported (Falcon-H1 uses silu)", c.hidden_act);
         }
         Ok(Self {
-            layers: usize_of(c, "num_hidden_layers", None)?,
-            vocab: usize_of(c, "vocab_size", None)?,
+            layers: c.num_hidden_layers,
+            vocab: c.vocab_size,
             hidden,
             eps,
-            tie: bool_of(c, "tie_word_embeddings", false),
-            embed_scale: f64_of(c, "embedding_multiplier", 1.0)?,
-            logit_scale: f64_of(c, "lm_head_multiplier", 1.0)?,
+            tie: c.tie_word_embeddings,
+            embed_scale: c.embedding_multiplier,
+            logit_scale: c.lm_head_multiplier,
             dims,
-            ssm_out: f64_of(c, "ssm_out_multiplier", 1.0)?,
+            ssm_out: c.ssm_out_multiplier,
             attention,
-            attn_in: f64_of(c, "attention_in_multiplier", 1.0)?,
-            attn_out: f64_of(c, "attention_out_multiplier", 1.0)?,
-            intermediate: usize_of(c, "intermediate_size", None)?,
-            mlp_bias: bool_of(c, "mlp_bias", false),
-            mlp_scales: f64s_of(c, "mlp_multipliers", [1.0; 2])?,
+            attn_in: c.attention_in_multiplier,
+            attn_out: c.attention_out_multiplier,
+            intermediate: c.intermediate_size,
+            mlp_bias: c.mlp_bias,
+            mlp_scales: c.mlp_multipliers,
         })
     }
 }
 
 fn config(ckpt: &Checkpoint) -> Result<FalconH1Config> {
-    FalconH1Config::from_value(&ckpt.config)
+    FalconH1Config::from_keys(parse_as(ckpt, &ckpt.config, "Falcon-H1")?)
         .with_context(|| format!("{}/config.json does not match the Falcon-H1 format", ckpt.dir.display()))
 }
 

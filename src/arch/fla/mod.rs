@@ -189,7 +189,7 @@ impl Family for DeltaNetFamily {
     }
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {
         // fla DeltaNet has no head_dim: key_dim = int(hidden_size * expand_k).
-        let hidden = config["hidden_size"].as_u64().unwrap_or(0) as usize;
+        let hidden = crate::arch::config::from_value::<FlaConfig>(config)?.hidden_size;
         let heads = layout.layers.first().map_or(0, |l| l.key_heads);
         config["expand_k"] = Value::from(float_for_product(heads * dk, hidden));
         Ok(())

@@ -5,9 +5,10 @@
 //!
 //! The key width is `mamba_d_state`.
 
-use super::keys::{bool_of, f64_of, rope_theta, usize_of};
+use super::config::{rope_theta, AutoSize, Limit, RopeParameters};
+use super::defaults;
 use super::layered::Layers;
-use super::{Family, LoadOptions, StateLayout};
+use super::{parse_as, Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::attention::{Attention, AttentionSpec, Rope};
 use crate::layers::block::{Layer, Step, Sublayer};
@@ -19,6 +20,7 @@ use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_nn::{linear_no_bias, VarBuilder};
+use serde::Deserialize;
 use serde_json::Value;
 
 #[derive(Debug, Clone)]
@@ -39,56 +41,119 @@ struct GraniteConfig {
     experts: Option<(usize, usize, usize)>,
 }
 
+/// The config.json keys of transformers' `GraniteMoeHybridConfig`, with its defaults.
+#[derive(Debug, Deserialize)]
+struct Keys {
+    num_hidden_layers: usize,
+    layer_types: Vec<String>,
+    hidden_size: usize,
+    vocab_size: usize,
+    num_attention_heads: usize,
+    shared_intermediate_size: usize,
+    #[serde(default = "defaults::eps")]
+    rms_norm_eps: f64,
+    #[serde(default = "two")]
+    mamba_expand: f64,
+    #[serde(default = "defaults::d128")]
+    mamba_n_heads: usize,
+    #[serde(default)]
+    mamba_d_head: AutoSize,
+    #[serde(default = "defaults::one")]
+    mamba_n_groups: usize,
+    #[serde(default)]
+    mamba_proj_bias: bool,
+    #[serde(default = "defaults::d256")]
+    mamba_d_state: usize,
+    #[serde(default = "defaults::four")]
+    mamba_d_conv: usize,
+    #[serde(default = "defaults::yes")]
+    mamba_conv_bias: bool,
+    #[serde(default)]
+    time_step_limit: Limit,
+    #[serde(default)]
+    position_embedding_type: Option<String>,
+    #[serde(default)]
+    rope_theta: Option<f64>,
+    #[serde(default)]
+    rope_parameters: Option<RopeParameters>,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default = "defaults::unit")]
+    attention_multiplier: f64,
+    #[serde(default)]
+    num_local_experts: usize,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    intermediate_size: Option<usize>,
+    #[serde(default = "defaults::silu")]
+    hidden_act: String,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default = "defaults::unit")]
+    embedding_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    residual_multiplier: f64,
+    #[serde(default = "defaults::unit")]
+    logits_scaling: f64,
+}
+
+fn two() -> f64 {
+    2.0
+}
+
 impl GraniteConfig {
-    fn from_value(c: &Value) -> Result<Self> {
-        let layers = usize_of(c, "num_hidden_layers", None)?;
-        let types = c.get("layer_types").and_then(Value::as_array).context("config.json has no layer_types list")?;
-        let mamba = types
+    fn from_keys(c: Keys) -> Result<Self> {
+        let layers = c.num_hidden_layers;
+        let mamba = c
+            .layer_types
             .iter()
             .enumerate()
             .map(|(i, t)| match t.as_str() {
-                Some("mamba" | "linear_attention") => Ok(true),
-                Some("attention" | "full_attention") => Ok(false),
-                _ => bail!("layer_types[{i}] is {t}; expected \"mamba\" or \"attention\""),
+                "mamba" | "linear_attention" => Ok(true),
+                "attention" | "full_attention" => Ok(false),
+                _ => bail!("layer_types[{i}] is \"{t}\"; expected \"mamba\" or \"attention\""),
             })
             .collect::<Result<Vec<_>>>()?;
         if mamba.len() != layers {
             bail!("layer_types names {} layers but num_hidden_layers is {layers}; make them agree", mamba.len());
         }
-        let hidden = usize_of(c, "hidden_size", None)?;
-        let eps = f64_of(c, "rms_norm_eps", 1e-6)?;
-        let d_inner = (f64_of(c, "mamba_expand", 2.0)? * hidden as f64) as usize;
-        let heads = usize_of(c, "mamba_n_heads", Some(128))?;
-        let head_dim = match c.get("mamba_d_head") {
-            None | Some(Value::String(_)) => d_inner / heads.max(1), // "auto"
-            Some(_) => usize_of(c, "mamba_d_head", None)?,
-        };
-        let groups = usize_of(c, "mamba_n_groups", Some(1))?;
-        let bias = bool_of(c, "mamba_proj_bias", false);
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        let d_inner = (c.mamba_expand * hidden as f64) as usize;
+        let heads = c.mamba_n_heads;
+        let head_dim = c.mamba_d_head.0.unwrap_or(d_inner / heads.max(1));
+        let groups = c.mamba_n_groups;
+        let bias = c.mamba_proj_bias;
         let dims = Mamba2Dims {
             hidden,
             heads,
             head_dim,
-            state: usize_of(c, "mamba_d_state", Some(256))?,
+            state: c.mamba_d_state,
             groups,
             d_inner,
-            conv_kernel: usize_of(c, "mamba_d_conv", Some(4))?,
-            conv_bias: bool_of(c, "mamba_conv_bias", true),
+            conv_kernel: c.mamba_d_conv,
+            conv_bias: c.mamba_conv_bias,
             in_bias: bias,
             out_bias: bias,
             eps,
-            dt_limit: super::mamba2::limit(c.get("time_step_limit"))?,
+            dt_limit: (c.time_step_limit.0, c.time_step_limit.1),
             norm: OutputNorm::Gated { groups, before_gate: false },
             in_scale: 1.0,
             segment_scales: [1.0; 5],
         };
         dims.check().context("the Mamba-2 sizes of config.json (mamba_n_heads, mamba_d_head, mamba_expand)")?;
-        let heads_a = usize_of(c, "num_attention_heads", None)?;
+        let heads_a = c.num_attention_heads;
         let hd = hidden / heads_a.max(1);
-        let rope = match c.get("position_embedding_type").and_then(Value::as_str) {
-            Some("rope") => {
-                Some(Rope { dim: hd, theta: rope_theta(c, 10000.0), inv_freq_dtype: DType::F32, f32_rotation: false })
-            }
+        let rope = match c.position_embedding_type.as_deref() {
+            Some("rope") => Some(Rope {
+                dim: hd,
+                theta: rope_theta(c.rope_parameters.as_ref(), c.rope_theta, 10000.0),
+                inv_freq_dtype: DType::F32,
+                f32_rotation: false,
+            }),
             None | Some("nope") => None,
             Some(other) => {
                 bail!("position_embedding_type \"{other}\" is not supported (expected \"rope\" or \"nope\")")
@@ -97,37 +162,40 @@ impl GraniteConfig {
         let attention = AttentionSpec {
             hidden,
             heads: heads_a,
-            kv_heads: usize_of(c, "num_key_value_heads", Some(heads_a))?,
+            kv_heads: c.num_key_value_heads.unwrap_or(heads_a),
             head_dim: hd,
-            qkv_bias: bool_of(c, "attention_bias", false),
-            o_bias: bool_of(c, "attention_bias", false),
+            qkv_bias: c.attention_bias,
+            o_bias: c.attention_bias,
             qk_norm: None,
             output_gate: false,
             rope,
             // muP: attention_multiplier replaces 1/sqrt(head_dim)
-            scale: f64_of(c, "attention_multiplier", 1.0)?,
+            scale: c.attention_multiplier,
             window: None,
         };
-        let experts = match usize_of(c, "num_local_experts", Some(0))? {
+        let experts = match c.num_local_experts {
             0 => None,
-            e => Some((e, usize_of(c, "num_experts_per_tok", None)?, usize_of(c, "intermediate_size", None)?)),
+            e => Some((
+                e,
+                c.num_experts_per_tok.context("config.json has no num_experts_per_tok")?,
+                c.intermediate_size.context("config.json has no intermediate_size")?,
+            )),
         };
-        let act = c.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
-            bail!("hidden_act \"{act}\" is not supported (Granite 4.0-H uses silu)");
+        if c.hidden_act != "silu" {
+            bail!("hidden_act \"{}\" is not supported (Granite 4.0-H uses silu)", c.hidden_act);
         }
         Ok(Self {
             mamba,
-            vocab: usize_of(c, "vocab_size", None)?,
+            vocab: c.vocab_size,
             hidden,
             eps,
-            tie: bool_of(c, "tie_word_embeddings", false),
-            embed_scale: f64_of(c, "embedding_multiplier", 1.0)?,
-            residual_scale: f64_of(c, "residual_multiplier", 1.0)?,
-            logit_scale: 1.0 / f64_of(c, "logits_scaling", 1.0)?,
+            tie: c.tie_word_embeddings,
+            embed_scale: c.embedding_multiplier,
+            residual_scale: c.residual_multiplier,
+            logit_scale: 1.0 / c.logits_scaling,
             dims,
             attention,
-            shared_intermediate: usize_of(c, "shared_intermediate_size", None)?,
+            shared_intermediate: c.shared_intermediate_size,
             experts,
         })
     }
@@ -158,7 +226,7 @@ impl GraniteConfig {
 }
 
 fn config(ckpt: &Checkpoint) -> Result<GraniteConfig> {
-    GraniteConfig::from_value(&ckpt.config)
+    GraniteConfig::from_keys(parse_as(ckpt, &ckpt.config, "Granite 4.0-H")?)
         .with_context(|| format!("{}/config.json does not match the Granite 4.0-H format", ckpt.dir.display()))
 }
 

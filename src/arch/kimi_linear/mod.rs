@@ -8,9 +8,9 @@
 //! describe a key width below the value width. Everything else (forward, decoding, inspect,
 //! calibrate, eval, selection with `prune --dry-run`) runs.
 
-use super::keys::{bool_of, f64_of, usize_any, usize_of};
+use super::defaults;
 use super::layered::Layers;
-use super::{Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
+use super::{parse_as, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::block::{Layer, Step, Sublayer};
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
@@ -24,6 +24,7 @@ use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_nn::{linear_no_bias, VarBuilder};
+use serde::Deserialize;
 use serde_json::Value;
 
 #[derive(Debug, Clone)]
@@ -49,20 +50,77 @@ struct KimiConfig {
     scale: f64,
 }
 
-/// Which layers are KDA, from the 1-based lists (or transformers 5's `layer_types`).
-fn kda_layers(c: &Value, layers: usize) -> Result<Vec<bool>> {
-    let lin = c.get("linear_attn_config").context("config.json has no linear_attn_config")?;
-    let list = |key: &str| -> Result<Vec<usize>> {
-        let a =
-            lin.get(key).and_then(Value::as_array).with_context(|| format!("linear_attn_config has no {key} list"))?;
+/// The config.json keys of transformers' `KimiLinearConfig`. Where the release and
+/// transformers spell a key two ways, both are read and the first spelling wins.
+#[derive(Debug, Deserialize)]
+struct Keys {
+    num_hidden_layers: usize,
+    hidden_size: usize,
+    vocab_size: usize,
+    intermediate_size: usize,
+    num_attention_heads: usize,
+    qk_nope_head_dim: usize,
+    qk_rope_head_dim: usize,
+    v_head_dim: usize,
+    kv_lora_rank: usize,
+    moe_intermediate_size: usize,
+    linear_attn_config: LinearAttnConfig,
+    #[serde(default = "defaults::eps5")]
+    rms_norm_eps: f64,
+    #[serde(default)]
+    q_lora_rank: Option<usize>,
+    #[serde(default = "defaults::silu")]
+    hidden_act: String,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default = "defaults::one")]
+    first_k_dense_replace: usize,
+    #[serde(default)]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    n_routed_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_token: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    num_shared_experts: Option<usize>,
+    #[serde(default)]
+    n_shared_experts: Option<usize>,
+    #[serde(default)]
+    num_expert_group: Option<usize>,
+    #[serde(default)]
+    n_group: Option<usize>,
+    #[serde(default = "defaults::one")]
+    topk_group: usize,
+    #[serde(default = "defaults::yes")]
+    moe_renormalize: bool,
+    #[serde(default = "defaults::unit")]
+    routed_scaling_factor: f64,
+}
+
+/// `linear_attn_config`: the KDA layers' sizes and where they sit (1-based layer numbers).
+#[derive(Debug, Deserialize)]
+struct LinearAttnConfig {
+    head_dim: usize,
+    num_heads: usize,
+    #[serde(default = "defaults::four")]
+    short_conv_kernel_size: usize,
+    kda_layers: Vec<usize>,
+    full_attn_layers: Vec<usize>,
+}
+
+/// Which layers are KDA, from the 1-based lists.
+fn kda_layers(lin: &LinearAttnConfig, layers: usize) -> Result<Vec<bool>> {
+    let list = |key: &str, a: &[usize]| -> Result<Vec<usize>> {
         a.iter()
-            .map(|v| match v.as_u64() {
-                Some(n) if (1..=layers as u64).contains(&n) => Ok(n as usize - 1),
-                _ => bail!("linear_attn_config.{key} holds {v}; layers are numbered 1..={layers} (num_hidden_layers)"),
+            .map(|&n| match n {
+                n if (1..=layers).contains(&n) => Ok(n - 1),
+                _ => bail!("linear_attn_config.{key} holds {n}; layers are numbered 1..={layers} (num_hidden_layers)"),
             })
             .collect()
     };
-    let (kda, full) = (list("kda_layers")?, list("full_attn_layers")?);
+    let (kda, full) = (list("kda_layers", &lin.kda_layers)?, list("full_attn_layers", &lin.full_attn_layers)?);
     let mut out = vec![None; layers];
     for (l, is_kda) in kda.iter().map(|&l| (l, true)).chain(full.iter().map(|&l| (l, false))) {
         if out[l].replace(is_kda).is_some() {
@@ -76,50 +134,52 @@ fn kda_layers(c: &Value, layers: usize) -> Result<Vec<bool>> {
 }
 
 impl KimiConfig {
-    fn from_value(c: &Value) -> Result<Self> {
-        let layers = usize_of(c, "num_hidden_layers", None)?;
-        let hidden = usize_of(c, "hidden_size", None)?;
-        let eps = f64_of(c, "rms_norm_eps", 1e-5)?;
-        let lin = c.get("linear_attn_config").context("config.json has no linear_attn_config")?;
-        let head = usize_of(lin, "head_dim", None)?;
-        if c.get("q_lora_rank").is_some_and(|v| !v.is_null()) {
+    fn from_keys(c: Keys) -> Result<Self> {
+        let layers = c.num_hidden_layers;
+        let hidden = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        let lin = &c.linear_attn_config;
+        let head = lin.head_dim;
+        if c.q_lora_rank.is_some() {
             bail!("MLA with a query low-rank projection (q_lora_rank) is not supported");
         }
-        let act = c.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
-            bail!("hidden_act \"{act}\" is not supported (Kimi Linear uses silu)");
+        if c.hidden_act != "silu" {
+            bail!("hidden_act \"{}\" is not supported (Kimi Linear uses silu)", c.hidden_act);
         }
         Ok(Self {
-            kda: kda_layers(c, layers)?,
-            vocab: usize_of(c, "vocab_size", None)?,
+            kda: kda_layers(lin, layers)?,
+            vocab: c.vocab_size,
             hidden,
             eps,
-            tie: bool_of(c, "tie_word_embeddings", false),
-            kda_dims: {
-                let heads = usize_of(lin, "num_heads", None)?;
-                LinearDims { hidden, heads, v_heads: heads, dk: head, dv: head }
-            },
-            conv_kernel: usize_of(lin, "short_conv_kernel_size", Some(4))?,
+            tie: c.tie_word_embeddings,
+            kda_dims: LinearDims { hidden, heads: lin.num_heads, v_heads: lin.num_heads, dk: head, dv: head },
+            conv_kernel: lin.short_conv_kernel_size,
             mla: MlaDims {
                 hidden,
-                heads: usize_of(c, "num_attention_heads", None)?,
-                nope: usize_of(c, "qk_nope_head_dim", None)?,
-                shared: usize_of(c, "qk_rope_head_dim", None)?,
-                v_head: usize_of(c, "v_head_dim", None)?,
-                kv_rank: usize_of(c, "kv_lora_rank", None)?,
+                heads: c.num_attention_heads,
+                nope: c.qk_nope_head_dim,
+                shared: c.qk_rope_head_dim,
+                v_head: c.v_head_dim,
+                kv_rank: c.kv_lora_rank,
                 // transformers builds kv_a_layernorm with its default eps, not rms_norm_eps
                 latent_eps: 1e-6,
             },
-            dense_layers: usize_of(c, "first_k_dense_replace", Some(1))?,
-            intermediate: usize_of(c, "intermediate_size", None)?,
-            experts: usize_any(c, &["num_experts", "n_routed_experts"], None)?,
-            top_k: usize_any(c, &["num_experts_per_token", "num_experts_per_tok"], None)?,
-            moe_intermediate: usize_of(c, "moe_intermediate_size", None)?,
-            shared_experts: usize_any(c, &["num_shared_experts", "n_shared_experts"], Some(0))?,
-            groups: usize_any(c, &["num_expert_group", "n_group"], Some(1))?,
-            topk_groups: usize_of(c, "topk_group", Some(1))?,
-            renormalize: bool_of(c, "moe_renormalize", true),
-            scale: f64_of(c, "routed_scaling_factor", 1.0)?,
+            dense_layers: c.first_k_dense_replace,
+            intermediate: c.intermediate_size,
+            experts: c
+                .num_experts
+                .or(c.n_routed_experts)
+                .context("config.json has no num_experts or n_routed_experts")?,
+            top_k: c
+                .num_experts_per_token
+                .or(c.num_experts_per_tok)
+                .context("config.json has no num_experts_per_token or num_experts_per_tok")?,
+            moe_intermediate: c.moe_intermediate_size,
+            shared_experts: c.num_shared_experts.or(c.n_shared_experts).unwrap_or(0),
+            groups: c.num_expert_group.or(c.n_group).unwrap_or(1),
+            topk_groups: c.topk_group,
+            renormalize: c.moe_renormalize,
+            scale: c.routed_scaling_factor,
         })
     }
 
@@ -205,7 +265,7 @@ fn kda(
 }
 
 fn config(ckpt: &Checkpoint) -> Result<KimiConfig> {
-    KimiConfig::from_value(&ckpt.config)
+    KimiConfig::from_keys(parse_as(ckpt, &ckpt.config, "Kimi Linear")?)
         .with_context(|| format!("{}/config.json does not match the Kimi Linear format", ckpt.dir.display()))
 }
 

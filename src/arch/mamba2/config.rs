@@ -4,9 +4,10 @@
 //! (`d_model`, `n_layer`, `ssm_cfg{d_state, headdim, ngroups, ...}` with the defaults of
 //! `mamba_ssm/modules/mamba2.py`). The format is told apart by the config keys.
 
-use crate::arch::keys::{bool_of, usize_of};
+use crate::arch::config::Limit;
 use crate::layers::mamba2::{Mamba2Dims, OutputNorm};
 use anyhow::{bail, Result};
+use serde::Deserialize;
 use serde_json::Value;
 
 /// Which library wrote the checkpoint.
@@ -99,8 +100,8 @@ impl Mamba2Config {
 
     pub fn from_value(config: &Value) -> Result<Self> {
         let cfg = match Format::detect(config) {
-            Format::Hf => Self::from_hf(config)?,
-            Format::MambaSsm => Self::from_mamba_ssm(config)?,
+            Format::Hf => Self::from_hf(crate::arch::config::from_value(config)?),
+            Format::MambaSsm => Self::from_mamba_ssm(crate::arch::config::from_value(config)?)?,
         };
         if cfg.heads * cfg.head_dim != cfg.d_inner {
             bail!("num_heads {} x head_dim {} != intermediate size {}", cfg.heads, cfg.head_dim, cfg.d_inner);
@@ -111,105 +112,182 @@ impl Mamba2Config {
         Ok(cfg)
     }
 
-    fn from_hf(c: &Value) -> Result<Self> {
-        let hidden = usize_of(c, "hidden_size", None)?;
-        let expand = c.get("expand").and_then(Value::as_f64).unwrap_or(2.0);
-        Ok(Self {
+    fn from_hf(c: HfConfig) -> Self {
+        Self {
             format: Format::Hf,
-            hidden,
-            layers: usize_of(c, "num_hidden_layers", None)?,
-            heads: usize_of(c, "num_heads", None)?,
-            head_dim: usize_of(c, "head_dim", Some(64))?,
-            state: usize_of(c, "state_size", Some(128))?,
-            groups: usize_of(c, "n_groups", Some(1))?,
+            hidden: c.hidden_size,
+            layers: c.num_hidden_layers,
+            heads: c.num_heads,
+            head_dim: c.head_dim,
+            state: c.state_size,
+            groups: c.n_groups,
             // transformers: intermediate_size = int(expand * hidden_size)
-            d_inner: (expand * hidden as f64) as usize,
-            conv_kernel: usize_of(c, "conv_kernel", Some(4))?,
-            conv_bias: bool_of(c, "use_conv_bias", true),
-            bias: bool_of(c, "use_bias", false),
-            eps: c.get("layer_norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-5),
-            tie: bool_of(c, "tie_word_embeddings", true),
-            dt_limit: limit(c.get("time_step_limit"))?,
+            d_inner: (c.expand * c.hidden_size as f64) as usize,
+            conv_kernel: c.conv_kernel,
+            conv_bias: c.use_conv_bias,
+            bias: c.use_bias,
+            eps: c.layer_norm_epsilon,
+            tie: c.tie_word_embeddings,
+            dt_limit: (c.time_step_limit.0, c.time_step_limit.1),
             rmsnorm: true,
             norm_before_gate: false,
-        })
+        }
     }
 
-    fn from_mamba_ssm(c: &Value) -> Result<Self> {
-        let empty = Value::Object(Default::default());
-        let ssm = c.get("ssm_cfg").unwrap_or(&empty);
-        match ssm.get("layer").and_then(Value::as_str) {
+    fn from_mamba_ssm(c: SsmConfig) -> Result<Self> {
+        let ssm = c.ssm_cfg;
+        match ssm.layer.as_deref() {
             Some("Mamba2") => {}
             other => bail!(
                 "mamba_ssm ssm_cfg.layer is {}; only Mamba2 checkpoints are supported",
                 other.map_or("missing (Mamba1)".to_string(), |s| format!("\"{s}\""))
             ),
         }
-        if c.get("d_intermediate").and_then(Value::as_u64).unwrap_or(0) != 0 {
+        if c.d_intermediate != 0 {
             bail!("mamba_ssm models with an MLP (d_intermediate > 0) are not supported");
         }
-        if c.get("attn_layer_idx").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+        if !c.attn_layer_idx.is_empty() {
             bail!("hybrid mamba_ssm models (attn_layer_idx) are not supported");
         }
-        if !bool_of(c, "rms_norm", true) {
+        if !c.rms_norm {
             bail!("mamba_ssm models with LayerNorm (rms_norm = false) are not supported");
         }
-        let hidden = usize_of(c, "d_model", None)?;
-        let d_inner = usize_of(ssm, "expand", Some(2))? * hidden;
-        if ssm.get("d_ssm").and_then(Value::as_u64).is_some_and(|d| d as usize != d_inner) {
+        let d_inner = ssm.expand * c.d_model;
+        if ssm.d_ssm.is_some_and(|d| d != d_inner) {
             bail!("mamba_ssm ssm_cfg.d_ssm different from expand * d_model is not supported");
         }
-        let head_dim = usize_of(ssm, "headdim", Some(64))?;
-        if head_dim == 0 {
+        if ssm.headdim == 0 {
             bail!("mamba_ssm ssm_cfg.headdim must be at least 1");
         }
         Ok(Self {
             format: Format::MambaSsm,
-            hidden,
-            layers: usize_of(c, "n_layer", None)?,
-            heads: d_inner / head_dim,
-            head_dim,
-            state: usize_of(ssm, "d_state", Some(128))?,
-            groups: usize_of(ssm, "ngroups", Some(1))?,
+            hidden: c.d_model,
+            layers: c.n_layer,
+            heads: d_inner / ssm.headdim,
+            head_dim: ssm.headdim,
+            state: ssm.d_state,
+            groups: ssm.ngroups,
             d_inner,
-            conv_kernel: usize_of(ssm, "d_conv", Some(4))?,
-            conv_bias: bool_of(ssm, "conv_bias", true),
-            bias: bool_of(ssm, "bias", false),
+            conv_kernel: ssm.d_conv,
+            conv_bias: ssm.conv_bias,
+            bias: ssm.bias,
             // mamba_ssm hard-codes eps 1e-5 for both the block norms and the gated norm
-            eps: c.get("norm_epsilon").and_then(Value::as_f64).unwrap_or(1e-5),
-            tie: bool_of(c, "tie_embeddings", true),
-            dt_limit: limit(ssm.get("dt_limit"))?,
-            rmsnorm: bool_of(ssm, "rmsnorm", true),
-            norm_before_gate: bool_of(ssm, "norm_before_gate", false),
+            eps: c.norm_epsilon,
+            tie: c.tie_embeddings,
+            dt_limit: (ssm.dt_limit.0, ssm.dt_limit.1),
+            rmsnorm: ssm.rmsnorm,
+            norm_before_gate: ssm.norm_before_gate,
         })
     }
 }
 
-/// A float that Python may have written as `Infinity`, `"inf"` or `{"__float__": "Infinity"}`.
-pub fn float_of(v: &Value) -> Option<f64> {
-    match v {
-        Value::Number(n) => n.as_f64(),
-        Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "infinity" | "inf" | "+infinity" | "+inf" => Some(f64::INFINITY),
-            "-infinity" | "-inf" => Some(f64::NEG_INFINITY),
-            "nan" => Some(f64::NAN),
-            s => s.parse().ok(),
-        },
-        Value::Object(o) => o.get("__float__").and_then(float_of),
-        _ => None,
+fn d64() -> usize {
+    64
+}
+fn d128() -> usize {
+    128
+}
+fn two_f() -> f64 {
+    2.0
+}
+fn eps() -> f64 {
+    1e-5
+}
+
+/// transformers `Mamba2Config` (the fields statecut reads, with its defaults).
+#[derive(Debug, Deserialize)]
+struct HfConfig {
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    num_heads: usize,
+    #[serde(default = "d64")]
+    head_dim: usize,
+    #[serde(default = "d128")]
+    state_size: usize,
+    #[serde(default = "crate::arch::defaults::one")]
+    n_groups: usize,
+    #[serde(default = "two_f")]
+    expand: f64,
+    #[serde(default = "crate::arch::defaults::four")]
+    conv_kernel: usize,
+    #[serde(default = "crate::arch::defaults::yes")]
+    use_conv_bias: bool,
+    #[serde(default)]
+    use_bias: bool,
+    #[serde(default = "eps")]
+    layer_norm_epsilon: f64,
+    #[serde(default = "crate::arch::defaults::yes")]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    time_step_limit: Limit,
+}
+
+/// mamba_ssm's `MambaConfig` (`mamba_ssm/models/config_mamba.py`).
+#[derive(Debug, Deserialize)]
+struct SsmConfig {
+    d_model: usize,
+    n_layer: usize,
+    #[serde(default)]
+    d_intermediate: usize,
+    #[serde(default)]
+    attn_layer_idx: Vec<usize>,
+    #[serde(default = "crate::arch::defaults::yes")]
+    rms_norm: bool,
+    #[serde(default = "eps")]
+    norm_epsilon: f64,
+    #[serde(default = "crate::arch::defaults::yes")]
+    tie_embeddings: bool,
+    #[serde(default)]
+    ssm_cfg: SsmCfg,
+}
+
+/// `ssm_cfg`: the mixer's arguments, with the defaults of `mamba_ssm/modules/mamba2.py`.
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct SsmCfg {
+    layer: Option<String>,
+    expand: usize,
+    d_ssm: Option<usize>,
+    headdim: usize,
+    d_state: usize,
+    ngroups: usize,
+    d_conv: usize,
+    conv_bias: bool,
+    bias: bool,
+    dt_limit: Limit,
+    rmsnorm: bool,
+    norm_before_gate: bool,
+}
+
+impl Default for SsmCfg {
+    fn default() -> Self {
+        Self {
+            layer: None,
+            expand: 2,
+            d_ssm: None,
+            headdim: 64,
+            d_state: 128,
+            ngroups: 1,
+            d_conv: 4,
+            conv_bias: true,
+            bias: false,
+            dt_limit: Limit::default(),
+            rmsnorm: true,
+            norm_before_gate: false,
+        }
     }
 }
 
-/// `time_step_limit` / `dt_limit`: a pair, default (0, inf).
-pub(crate) fn limit(v: Option<&Value>) -> Result<(f64, f64)> {
-    match v {
-        None | Some(Value::Null) => Ok((0.0, f64::INFINITY)),
-        Some(Value::Array(a)) if a.len() == 2 => match (float_of(&a[0]), float_of(&a[1])) {
-            (Some(lo), Some(hi)) => Ok((lo, hi)),
-            _ => bail!("time step limit {} is not a pair of numbers", Value::Array(a.clone())),
-        },
-        Some(v) => bail!("time step limit {v} is not a pair of numbers"),
-    }
+pub use crate::arch::config::float_of;
+
+/// `time_step_limit` / `dt_limit`: a pair, default (0, inf) (the configs read it as [`Limit`]).
+#[cfg(test)]
+fn limit(v: Option<&Value>) -> Result<(f64, f64)> {
+    let l: Limit = match v {
+        None => Limit::default(),
+        Some(v) => Limit::deserialize(v).map_err(|e| anyhow::anyhow!("{e}"))?,
+    };
+    Ok((l.0, l.1))
 }
 
 #[cfg(test)]
@@ -244,5 +322,23 @@ mod tests {
         let c = json!({"d_model": 768, "n_layer": 24, "ssm_cfg": {}});
         let e = Mamba2Config::from_value(&c).unwrap_err().to_string();
         assert!(e.contains("Mamba1"), "{e}");
+    }
+
+    /// A value of the wrong type is refused with its key, not read as the default.
+    #[test]
+    fn wrong_types_name_the_key() {
+        let err = |c: Value| format!("{:#}", Mamba2Config::from_value(&c).unwrap_err());
+        let hf = json!({"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "head_dim": 64,
+                        "use_conv_bias": "yes"});
+        assert!(err(hf).contains("config key use_conv_bias: invalid type: string \"yes\""));
+        let hf = json!({"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "expand": "2"});
+        assert!(err(hf).contains("config key expand: "));
+        let ssm = json!({"d_model": 64, "n_layer": 2, "ssm_cfg": {"layer": "Mamba2", "conv_bias": 1}});
+        assert!(err(ssm).contains("config key ssm_cfg.conv_bias: invalid type: integer"));
+        let ssm = json!({"d_model": 64, "n_layer": 2, "rms_norm": "false", "ssm_cfg": {"layer": "Mamba2"}});
+        assert!(err(ssm).contains("config key rms_norm: "));
+        // null is "not set": the default
+        let ssm = json!({"d_model": 64, "n_layer": 2, "ssm_cfg": {"layer": "Mamba2", "d_ssm": null}});
+        assert!(Mamba2Config::from_value(&ssm).unwrap().conv_bias);
     }
 }

@@ -15,7 +15,6 @@ use crate::checkpoint::Checkpoint;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-pub(crate) use config::limit;
 pub use config::{float_of, Format, Mamba2Config};
 pub use model::Mamba2Layers;
 

@@ -1,10 +1,11 @@
 //! Nemotron-H / Nemotron 3 configs (transformers `NemotronHConfig`): one block per layer, named
 //! by `hybrid_override_pattern` (or an explicit `layers_block_type` list).
 
-use crate::arch::keys::{bool_of, f64_of, usize_any, usize_of};
+use crate::arch::defaults;
 use crate::layers::attention::AttentionSpec;
 use crate::layers::mamba2::{Mamba2Dims, OutputNorm};
 use anyhow::{bail, Context, Result};
+use serde::Deserialize;
 use serde_json::Value;
 
 /// What one layer is.
@@ -69,20 +70,32 @@ pub struct NemotronHConfig {
     pub moe: Option<MoeConfig>,
 }
 
+/// The keys that name the layers.
+#[derive(Debug, Deserialize)]
+struct Pattern {
+    #[serde(default)]
+    layers_block_type: Option<Vec<String>>,
+    #[serde(default)]
+    hybrid_override_pattern: Option<String>,
+    #[serde(default)]
+    num_hidden_layers: Option<usize>,
+}
+
 /// The block kinds: `layers_block_type` when given (transformers prefers it), else the pattern,
 /// checked against `num_hidden_layers` when the config states it.
 pub fn block_kinds(c: &Value) -> Result<Vec<BlockKind>> {
-    let blocks = match (c.get("layers_block_type").and_then(Value::as_array), c.get("hybrid_override_pattern")) {
+    let p: Pattern = crate::arch::config::from_value(c)?;
+    let blocks = match (p.layers_block_type, p.hybrid_override_pattern) {
         (Some(list), _) => list
             .iter()
             .enumerate()
             .map(|(i, v)| {
-                v.as_str().and_then(BlockKind::from_name).with_context(|| {
-                    format!("layers_block_type[{i}] is {v}; expected \"mamba\", \"attention\", \"mlp\" or \"moe\"")
+                BlockKind::from_name(v).with_context(|| {
+                    format!("layers_block_type[{i}] is \"{v}\"; expected \"mamba\", \"attention\", \"mlp\" or \"moe\"")
                 })
             })
             .collect::<Result<Vec<_>>>()?,
-        (None, Some(Value::String(p))) => p
+        (None, Some(p)) => p
             .chars()
             .enumerate()
             .map(|(i, ch)| {
@@ -93,14 +106,13 @@ pub fn block_kinds(c: &Value) -> Result<Vec<BlockKind>> {
                 })
             })
             .collect::<Result<Vec<_>>>()?,
-        (None, Some(v)) => bail!("hybrid_override_pattern is {v}, expected a string such as \"M-M*-\""),
         (None, None) => bail!("config.json has neither hybrid_override_pattern nor layers_block_type"),
     };
     if blocks.is_empty() {
         bail!("the layer pattern of config.json is empty");
     }
-    if let Some(n) = c.get("num_hidden_layers").and_then(Value::as_u64) {
-        if n as usize != blocks.len() {
+    if let Some(n) = p.num_hidden_layers {
+        if n != blocks.len() {
             bail!(
                 "the layer pattern of config.json names {} layers but num_hidden_layers is {n}; make them agree",
                 blocks.len()
@@ -110,40 +122,115 @@ pub fn block_kinds(c: &Value) -> Result<Vec<BlockKind>> {
     Ok(blocks)
 }
 
+/// The config.json keys of transformers' `NemotronHConfig`, with its defaults. Where released
+/// configs spell a key two ways, both are read and the first spelling wins.
+#[derive(Debug, Deserialize)]
+struct Keys {
+    hidden_size: usize,
+    vocab_size: usize,
+    num_attention_heads: usize,
+    intermediate_size: usize,
+    #[serde(default = "defaults::eps5")]
+    layer_norm_epsilon: f64,
+    #[serde(default = "defaults::d128")]
+    mamba_num_heads: usize,
+    #[serde(default = "d64")]
+    mamba_head_dim: usize,
+    #[serde(default)]
+    n_groups: Option<usize>,
+    #[serde(default)]
+    mamba_n_groups: Option<usize>,
+    #[serde(default)]
+    use_bias: bool,
+    #[serde(default = "defaults::d128")]
+    ssm_state_size: usize,
+    #[serde(default)]
+    conv_kernel: Option<usize>,
+    #[serde(default)]
+    mamba_d_conv: Option<usize>,
+    #[serde(default = "defaults::yes")]
+    use_conv_bias: bool,
+    #[serde(default = "time_step_min")]
+    time_step_min: f64,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default)]
+    attention_head_dim: Option<usize>,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default = "relu2")]
+    mlp_hidden_act: String,
+    #[serde(default)]
+    moe_latent_size: Option<Value>,
+    #[serde(default)]
+    n_routed_experts: Option<usize>,
+    #[serde(default)]
+    num_local_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    moe_shared_expert_intermediate_size: Option<usize>,
+    #[serde(default = "defaults::one")]
+    n_group: usize,
+    #[serde(default = "defaults::one")]
+    topk_group: usize,
+    #[serde(default = "defaults::yes")]
+    norm_topk_prob: bool,
+    #[serde(default = "defaults::unit")]
+    routed_scaling_factor: f64,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+}
+
+fn d64() -> usize {
+    64
+}
+fn time_step_min() -> f64 {
+    0.001
+}
+fn relu2() -> String {
+    "relu2".into()
+}
+
 impl NemotronHConfig {
-    pub fn from_value(c: &Value) -> Result<Self> {
-        let blocks = block_kinds(c)?;
-        let hidden = usize_of(c, "hidden_size", None)?;
-        let eps = f64_of(c, "layer_norm_epsilon", 1e-5)?;
-        let (heads, head_dim) = (usize_of(c, "mamba_num_heads", Some(128))?, usize_of(c, "mamba_head_dim", Some(64))?);
-        let groups = usize_any(c, &["n_groups", "mamba_n_groups"], Some(8))?;
-        let bias = bool_of(c, "use_bias", false);
+    pub fn from_value(value: &Value) -> Result<Self> {
+        let blocks = block_kinds(value)?;
+        let c: Keys = crate::arch::config::from_value(value)?;
+        let hidden = c.hidden_size;
+        let eps = c.layer_norm_epsilon;
+        let (heads, head_dim) = (c.mamba_num_heads, c.mamba_head_dim);
+        let groups = c.n_groups.or(c.mamba_n_groups).unwrap_or(8);
+        let bias = c.use_bias;
         let mamba = Mamba2Dims {
             hidden,
             heads,
             head_dim,
-            state: usize_of(c, "ssm_state_size", Some(128))?,
+            state: c.ssm_state_size,
             groups,
             // the inner width is heads × head_dim; `expand` is not used by the mixer
             d_inner: heads * head_dim,
-            conv_kernel: usize_any(c, &["conv_kernel", "mamba_d_conv"], Some(4))?,
-            conv_bias: bool_of(c, "use_conv_bias", true),
+            conv_kernel: c.conv_kernel.or(c.mamba_d_conv).unwrap_or(4),
+            conv_bias: c.use_conv_bias,
             in_bias: bias,
             out_bias: bias,
             eps,
             // transformers clamps Δt from below at time_step_min in the full forward
-            dt_limit: (f64_of(c, "time_step_min", 0.001)?, f64::INFINITY),
+            dt_limit: (c.time_step_min, f64::INFINITY),
             norm: OutputNorm::Gated { groups, before_gate: false },
             in_scale: 1.0,
             segment_scales: [1.0; 5],
         };
         mamba.check().context("the Mamba-2 sizes of config.json (mamba_num_heads, mamba_head_dim, n_groups)")?;
-        let attn_heads = usize_of(c, "num_attention_heads", None)?;
-        let attn_head_dim = usize_any(c, &["head_dim", "attention_head_dim"], Some(hidden / attn_heads.max(1)))?;
+        let attn_heads = c.num_attention_heads;
+        let attn_head_dim = c.head_dim.or(c.attention_head_dim).unwrap_or(hidden / attn_heads.max(1));
         let attention = AttentionSpec {
             hidden,
             heads: attn_heads,
-            kv_heads: usize_of(c, "num_key_value_heads", Some(attn_heads))?,
+            kv_heads: c.num_key_value_heads.unwrap_or(attn_heads),
             head_dim: attn_head_dim,
             // transformers' NemotronHAttention has no biases whatever attention_bias says
             qkv_bias: false,
@@ -154,23 +241,26 @@ impl NemotronHConfig {
             scale: (attn_head_dim as f64).powf(-0.5),
             window: None,
         };
-        let act = c.get("mlp_hidden_act").and_then(Value::as_str).unwrap_or("relu2");
-        if act != "relu2" {
-            bail!("mlp_hidden_act \"{act}\" is not supported (Nemotron-H MLPs use relu2)");
+        if c.mlp_hidden_act != "relu2" {
+            bail!("mlp_hidden_act \"{}\" is not supported (Nemotron-H MLPs use relu2)", c.mlp_hidden_act);
         }
         let moe = if blocks.contains(&BlockKind::Moe) {
-            if c.get("moe_latent_size").is_some_and(|v| !v.is_null()) {
+            if c.moe_latent_size.is_some() {
                 bail!("Nemotron-H MoE layers with a latent projection (moe_latent_size) are not supported");
             }
+            let need = |v: Option<usize>, key: &str| v.with_context(|| format!("config.json has no {key}"));
             Some(MoeConfig {
-                experts: usize_any(c, &["n_routed_experts", "num_local_experts"], None)?,
-                top_k: usize_of(c, "num_experts_per_tok", None)?,
-                intermediate: usize_of(c, "moe_intermediate_size", None)?,
-                shared_intermediate: usize_of(c, "moe_shared_expert_intermediate_size", None)?,
-                groups: usize_of(c, "n_group", Some(1))?,
-                topk_groups: usize_of(c, "topk_group", Some(1))?,
-                norm: bool_of(c, "norm_topk_prob", true),
-                scale: f64_of(c, "routed_scaling_factor", 1.0)?,
+                experts: need(c.n_routed_experts.or(c.num_local_experts), "n_routed_experts or num_local_experts")?,
+                top_k: need(c.num_experts_per_tok, "num_experts_per_tok")?,
+                intermediate: need(c.moe_intermediate_size, "moe_intermediate_size")?,
+                shared_intermediate: need(
+                    c.moe_shared_expert_intermediate_size,
+                    "moe_shared_expert_intermediate_size",
+                )?,
+                groups: c.n_group,
+                topk_groups: c.topk_group,
+                norm: c.norm_topk_prob,
+                scale: c.routed_scaling_factor,
             })
         } else {
             None
@@ -188,14 +278,14 @@ impl NemotronHConfig {
         }
         Ok(Self {
             blocks,
-            vocab: usize_of(c, "vocab_size", None)?,
+            vocab: c.vocab_size,
             hidden,
             eps,
-            tie: bool_of(c, "tie_word_embeddings", false),
+            tie: c.tie_word_embeddings,
             mamba,
             attention,
-            mlp_intermediate: usize_of(c, "intermediate_size", None)?,
-            mlp_bias: bool_of(c, "mlp_bias", false),
+            mlp_intermediate: c.intermediate_size,
+            mlp_bias: c.mlp_bias,
             moe,
         })
     }

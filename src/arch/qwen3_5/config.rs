@@ -2,6 +2,7 @@
 //! `configuration_qwen3_5_moe.py`, `configuration_qwen3_next.py`), and where a checkpoint keeps
 //! its text model.
 
+use crate::arch::config::RopeParameters;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -145,7 +146,7 @@ pub struct TextConfig {
     #[serde(default)]
     pub rope_theta: Option<f64>,
     #[serde(default)]
-    pub rope_parameters: Option<Value>,
+    pub rope_parameters: Option<RopeParameters>,
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
     // Qwen3-Next MoE (absent from dense Qwen3.5)
@@ -180,7 +181,12 @@ pub struct Moe {
 
 impl TextConfig {
     pub fn from_value(variant: Variant, config: &Value) -> Result<Self> {
-        let cfg: Self = serde_json::from_value(variant.text(config)?.clone())?;
+        let at = if variant.wrapper() { "text_config" } else { "" };
+        let cfg: Self = crate::arch::config::from_value_at(variant.text(config)?, at)?;
+        if variant.wrapper() {
+            // the wrapper's own flag decides the head (`tied`): refuse one of the wrong type here
+            crate::arch::config::from_value::<Top>(config)?;
+        }
         let (hk, hv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
         if hk == 0 || !hv.is_multiple_of(hk) {
             bail!("linear_num_value_heads {hv} must be a multiple of linear_num_key_heads {hk}");
@@ -209,7 +215,7 @@ impl TextConfig {
         }
         // mrope_section / mrope_interleaved only matter for image and video positions: with the
         // three position streams of text equal, interleaved mRoPE is the plain rotary embedding.
-        let rope_type = cfg.rope_parameters.as_ref().and_then(|r| r.get("rope_type")).and_then(Value::as_str);
+        let rope_type = cfg.rope_parameters.as_ref().and_then(|r| r.rope_type.as_deref());
         if let Some(t) = rope_type.filter(|t| *t != "default") {
             bail!("rope_type \"{t}\" is not supported (only the default rotary embedding, with or without mrope)");
         }
@@ -274,17 +280,14 @@ impl TextConfig {
         self.head_dim.unwrap_or(256)
     }
 
-    fn rope_field(&self, key: &str) -> Option<f64> {
-        self.rope_parameters.as_ref().and_then(|r| r.get(key)).and_then(Value::as_f64)
-    }
-
     pub fn rope_theta(&self) -> f64 {
-        self.rope_field("rope_theta").or(self.rope_theta).unwrap_or(10000.0)
+        crate::arch::config::rope_theta(self.rope_parameters.as_ref(), self.rope_theta, 10000.0)
     }
 
     /// Rotary dims of each attention head: int(head_dim · partial_rotary_factor).
     pub fn rotary_dim(&self) -> usize {
-        let f = self.rope_field("partial_rotary_factor").or(self.partial_rotary_factor).unwrap_or(0.25);
+        let from_params = self.rope_parameters.as_ref().and_then(|r| r.partial_rotary_factor);
+        let f = from_params.or(self.partial_rotary_factor).unwrap_or(0.25);
         (self.head_dim() as f64 * f) as usize
     }
 
@@ -320,9 +323,18 @@ impl TextConfig {
     }
 }
 
+/// The wrapper's top-level `tie_word_embeddings` (checked by `TextConfig::from_value`).
+#[derive(Deserialize)]
+struct Top {
+    #[serde(default)]
+    tie_word_embeddings: Option<bool>,
+}
+
 /// Whether the LM head shares the embedding (the top level of a multimodal config decides).
 pub fn tied(variant: Variant, config: &Value, text: &TextConfig) -> bool {
-    let top = if variant.wrapper() { config.get("tie_word_embeddings").and_then(Value::as_bool) } else { None };
+    // TextConfig::from_value refused a flag of the wrong type, so this read cannot fail
+    let top = variant.wrapper().then(|| crate::arch::config::from_value::<Top>(config).ok()).flatten();
+    let top = top.and_then(|t| t.tie_word_embeddings);
     top.or(text.tie_word_embeddings).unwrap_or(false)
 }
 
@@ -414,6 +426,28 @@ mod tests {
         let mut t = text();
         t.as_object_mut().unwrap().remove("intermediate_size");
         assert!(err(Variant::Text, t).contains("no intermediate_size"));
+    }
+
+    /// A value of the wrong type is refused with its key, never read as the default.
+    #[test]
+    fn wrong_types_name_the_key() {
+        let err = |v: Variant, c: Value| format!("{:#}", TextConfig::from_value(v, &c).unwrap_err());
+        let mut t = text();
+        t["rope_parameters"]["rope_theta"] = json!("1e4");
+        assert!(err(Variant::Text, t).contains("config key rope_parameters.rope_theta: invalid type: string"));
+        let mut t = text();
+        t.as_object_mut().unwrap().remove("rope_parameters");
+        t["rope_theta"] = json!("1e4");
+        assert!(err(Variant::Text, t).contains("config key rope_theta: invalid type: string \"1e4\""));
+        let mut t = text();
+        t["attn_output_gate"] = json!("yes");
+        assert!(err(Variant::Text, t).contains("config key attn_output_gate: "));
+        let mut t = text();
+        t["linear_num_key_heads"] = json!(2.5);
+        let cfg = json!({"model_type": "qwen3_5", "text_config": t});
+        assert!(err(Variant::Multimodal, cfg).contains("config key text_config.linear_num_key_heads: invalid type"));
+        let cfg = json!({"model_type": "qwen3_5", "tie_word_embeddings": "true", "text_config": text()});
+        assert!(err(Variant::Multimodal, cfg).contains("config key tie_word_embeddings: "));
     }
 
     #[test]

@@ -63,8 +63,9 @@ pub struct SseConfig {
     pub norm_eps: f64,
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// The hybrid's attention layers (checked against the sizes by [`SseConfig::attn_config`]).
     #[serde(default)]
-    pub attn: Option<Value>,
+    pub attn: Option<AttnConfig>,
 }
 
 fn rope_theta() -> f64 {
@@ -150,11 +151,14 @@ pub struct Dims {
 }
 
 impl SseConfig {
+    /// Read config.json, every value of the wrong type an error naming its key.
+    pub fn from_value(config: &Value) -> Result<Self> {
+        Ok(crate::arch::config::from_value(config)?)
+    }
+
     /// The hybrid's attention layers, checked against the model's sizes.
     pub fn attn_config(&self) -> Result<Option<AttnConfig>> {
-        let Some(v) = self.attn.as_ref().filter(|a| !a.is_null()) else { return Ok(None) };
-        let a: AttnConfig = serde_json::from_value(v.clone())
-            .map_err(|e| anyhow::anyhow!("config `attn` does not match fla's attention dict: {e}"))?;
+        let Some(a) = self.attn.clone() else { return Ok(None) };
         let kv = a.num_kv_heads.unwrap_or(a.num_heads);
         if a.num_heads == 0
             || !self.hidden_size.is_multiple_of(a.num_heads)
@@ -175,7 +179,7 @@ impl SseConfig {
 
     /// Whether layer `i` is a softmax attention layer of a hybrid.
     pub fn is_attention(&self, i: usize) -> bool {
-        self.attn_config().ok().flatten().is_some_and(|a| a.layers.contains(&i))
+        self.attn.as_ref().is_some_and(|a| a.layers.contains(&i))
     }
 
     pub fn dims(&self) -> Result<Dims> {

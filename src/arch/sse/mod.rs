@@ -33,6 +33,7 @@ impl Family for SseFamily {
 
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let cfg: SseConfig = parse(ckpt, &ckpt.config)?;
+        // dims() checks the attention layers, which is_attention then reads
         let d = cfg.dims()?;
         let mut layers = Vec::new();
         // Hybrids (SSE-H) list only their SSE layers: attention layers keep no recurrent state.
@@ -96,8 +97,8 @@ impl Family for SseFamily {
         config: &mut Value,
         keep: &BTreeMap<usize, Vec<usize>>,
     ) -> Result<Vec<(String, Vec<usize>)>> {
-        let n = config["num_sparse_partition"].as_u64().unwrap_or(4) as usize;
-        let topk = config["num_writer"].as_u64().unwrap_or(2) as usize;
+        let cfg = SseConfig::from_value(config)?;
+        let (n, topk) = (cfg.num_sparse_partition, cfg.num_writer);
         let Some(count) = keep.values().next().map(Vec::len) else { return Ok(Vec::new()) };
         if keep.values().any(|k| k.len() != count) {
             bail!("every layer must keep the same number of partitions");
@@ -114,5 +115,47 @@ impl Family for SseFamily {
         config["num_sparse_partition"] = Value::from(count);
         // The router is the only tensor with a row per partition: the states live at run time.
         Ok(keep.iter().map(|(l, k)| (format!("model.layers.{l}.attn.e_proj.weight"), k.clone())).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn config() -> Value {
+        json!({"model_type": "sse", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 64,
+               "num_sparse_partition": 4, "num_writer": 2, "num_reader": 2})
+    }
+
+    /// Partition pruning reads the config as loading does: a value of the wrong type is an
+    /// error naming it, not fla's default.
+    #[test]
+    fn keep_partitions_refuses_wrong_types() {
+        let keep: BTreeMap<usize, Vec<usize>> = [(0, vec![0, 1, 3]), (1, vec![0, 1, 2])].into();
+        let mut c = config();
+        SseFamily.keep_partitions(&mut c, &keep).unwrap();
+        assert_eq!(c["num_sparse_partition"], json!(3));
+        for (key, bad) in [("num_writer", json!("2")), ("num_sparse_partition", json!(4.5))] {
+            let mut c = config();
+            c[key] = bad;
+            let e = format!("{:#}", SseFamily.keep_partitions(&mut c, &keep).unwrap_err());
+            assert!(e.contains(&format!("config key {key}: invalid type")), "{e}");
+        }
+    }
+
+    /// The hybrid's `attn` dict is read with the rest: a bad field names its key.
+    #[test]
+    fn attn_fields_name_their_key() {
+        let mut c = config();
+        c["attn"] = json!({"layers": [1], "num_heads": 4, "qk_norm": "yes"});
+        let e = SseConfig::from_value(&c).unwrap_err().to_string();
+        assert!(e.contains("config key attn.qk_norm: invalid type"), "{e}");
+        c["attn"] = json!({"layers": [1], "num_heads": 4, "rope_theta": "1e4"});
+        let e = SseConfig::from_value(&c).unwrap_err().to_string();
+        assert!(e.contains("config key attn.rope_theta: invalid type"), "{e}");
+        c["attn"] = json!({"layers": [1], "num_heads": 4});
+        let cfg = SseConfig::from_value(&c).unwrap();
+        assert!(cfg.dims().is_ok() && cfg.is_attention(1) && !cfg.is_attention(0));
     }
 }
