@@ -326,20 +326,23 @@ fn mamba_ssm_hidden_size() {
                     "ngroups": c("n_groups"), "expand": c("expand"), "d_conv": c("conv_kernel")},
     });
     let tmp = tempfile::tempdir().unwrap();
-    write_config(tmp.path(), &config);
-    save_pth(&tmp.path().join("pytorch_model.bin"), &out).unwrap();
+    // The activations go beside the model: statecut refuses to write inside its input.
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    write_config(&dir, &config);
+    save_pth(&dir.join("pytorch_model.bin"), &out).unwrap();
     for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
         if src.join(f).exists() {
-            std::fs::copy(src.join(f), tmp.path().join(f)).unwrap();
+            std::fs::copy(src.join(f), dir.join(f)).unwrap();
         }
     }
     let hidden = hf["hidden_size"].as_u64().unwrap() as usize;
-    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
     assert_eq!(ckpt.hidden_size().unwrap(), hidden);
 
     let acts = tmp.path().join("acts.safetensors");
     let st = std::process::Command::new(env!("CARGO_BIN_EXE_statecut"))
-        .args(["calibrate", "-m", tmp.path().to_str().unwrap(), "--nsamples", "2", "--seqlen", "32", "-q", "-o"])
+        .args(["calibrate", "-m", dir.to_str().unwrap(), "--nsamples", "2", "--seqlen", "32", "-q", "-o"])
         .arg(&acts)
         .output()
         .unwrap();
