@@ -230,10 +230,11 @@ fn save_pth(path: &Path, tensors: &Tensors) -> Result<()> {
     statecut::torch_save::write_pth(path, &raws)
 }
 
-#[test]
-fn mamba2_mamba_ssm_layout() {
-    let Some(src) = source("mamba2") else { return };
-    let (hf, tensors) = read(&src);
+/// The shared transformers Mamba-2 model rewritten in mamba_ssm's format (config.json with
+/// `d_model` / `ssm_cfg`, `backbone.embedding.`, pytorch_model.bin) in `dir`; returns the original
+/// config.
+fn write_mamba_ssm(src: &Path, dir: &Path) -> Value {
+    let (hf, tensors) = read(src);
     let mut out: Tensors =
         tensors.iter().map(|(k, v)| (k.replace("backbone.embeddings.", "backbone.embedding."), v.clone())).collect();
     // mamba_ssm saves the tied head too
@@ -254,9 +255,16 @@ fn mamba2_mamba_ssm_layout() {
         "pad_vocab_size_multiple": 16,
         "tie_embeddings": true,
     });
+    write_config(dir, &config);
+    save_pth(&dir.join("pytorch_model.bin"), &out).unwrap();
+    hf
+}
+
+#[test]
+fn mamba2_mamba_ssm_layout() {
+    let Some(src) = source("mamba2") else { return };
     let tmp = tempfile::tempdir().unwrap();
-    write_config(tmp.path(), &config);
-    save_pth(&tmp.path().join("pytorch_model.bin"), &out).unwrap();
+    write_mamba_ssm(&src, tmp.path());
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     assert_eq!(ckpt.model_type().unwrap(), "mamba2");
     assert_eq!(ckpt.format, statecut::checkpoint::WeightFormat::PytorchBin);
@@ -313,24 +321,11 @@ fn mamba2_mamba_ssm_layout() {
 #[test]
 fn mamba_ssm_hidden_size() {
     let Some(src) = source("mamba2") else { return };
-    let (hf, tensors) = read(&src);
-    let mut out: Tensors =
-        tensors.iter().map(|(k, v)| (k.replace("backbone.embeddings.", "backbone.embedding."), v.clone())).collect();
-    out.insert("lm_head.weight".into(), tensors["backbone.embeddings.weight"].clone());
-    let c = |k: &str| hf[k].clone();
-    let config = json!({
-        "d_model": c("hidden_size"),
-        "n_layer": c("num_hidden_layers"),
-        "vocab_size": c("vocab_size"),
-        "ssm_cfg": {"layer": "Mamba2", "d_state": c("state_size"), "headdim": c("head_dim"),
-                    "ngroups": c("n_groups"), "expand": c("expand"), "d_conv": c("conv_kernel")},
-    });
     let tmp = tempfile::tempdir().unwrap();
     // The activations go beside the model: statecut refuses to write inside its input.
     let dir = tmp.path().join("model");
     std::fs::create_dir(&dir).unwrap();
-    write_config(&dir, &config);
-    save_pth(&dir.join("pytorch_model.bin"), &out).unwrap();
+    let hf = write_mamba_ssm(&src, &dir);
     for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"] {
         if src.join(f).exists() {
             std::fs::copy(src.join(f), dir.join(f)).unwrap();
