@@ -88,6 +88,31 @@ pub fn parse_rrqr_f(s: &str) -> Result<f64, String> {
     float(s).and_then(check_rrqr_f)
 }
 
+/// A finite number above 0 (learning rates, temperatures, adapter scales).
+pub fn parse_positive(s: &str) -> Result<f64, String> {
+    float(s).and_then(|v| if v > 0.0 && v.is_finite() { Ok(v) } else { Err("must be a finite number > 0".into()) })
+}
+
+/// A finite number of at least 0 (weights, decay, clipping).
+pub fn parse_non_negative(s: &str) -> Result<f64, String> {
+    float(s).and_then(|v| if v >= 0.0 && v.is_finite() { Ok(v) } else { Err("must be a finite number >= 0".into()) })
+}
+
+/// A fraction in [0, 1].
+pub fn parse_unit(s: &str) -> Result<f64, String> {
+    float(s).and_then(|v| if (0.0..=1.0).contains(&v) { Ok(v) } else { Err("must be a number from 0 to 1".into()) })
+}
+
+/// A token budget: a positive whole number, at most 2^50.
+pub fn parse_tokens(s: &str) -> Result<u64, String> {
+    let v: u64 = s.trim().parse().map_err(|_| "must be a positive whole number of tokens".to_string())?;
+    if (1..=1 << 50).contains(&v) {
+        Ok(v)
+    } else {
+        Err("must be a positive whole number of tokens, at most 2^50".into())
+    }
+}
+
 /// Check a recipe's numbers against the same ranges as the flags they stand for.
 pub fn check_recipe(r: &Recipe) -> Result<()> {
     let whole = [

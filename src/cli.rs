@@ -34,6 +34,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Quality against state size: prune a grid of methods x ratios in memory and evaluate each.
     Sweep(Box<SweepArgs>),
+    /// Recover what pruning lost: low-rank adapters plus distillation from the unpruned model.
+    Recover(Box<RecoverArgs>),
 }
 
 /// Which model to load and where.
@@ -266,6 +268,109 @@ pub struct PruneArgs {
     /// are dropped).
     #[arg(long, value_parser = WIDTH.parser())]
     pub prune_partitions: Option<usize>,
+}
+
+/// Flags of `recover` (the defaults are the recipe of *On State Reduction in Linear Attention*).
+#[derive(Debug, Clone, Args)]
+pub struct RecoverArgs {
+    /// The pruned model (the student).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The model the student was pruned from (local directory or hub id): the distillation
+    /// teacher. Tensors it shares with the student are held once.
+    #[arg(long)]
+    pub teacher: String,
+    /// Training text: .jsonl, .txt, .parquet, or a hub dataset id.
+    #[arg(long)]
+    pub data: String,
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
+    /// Output directory for the recovered checkpoint (adapters merged).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Replace an existing output directory.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Optimizer steps [default: 2000].
+    #[arg(long, value_parser = COUNT.parser(), conflicts_with = "tokens")]
+    pub steps: Option<usize>,
+    /// Training tokens instead of --steps (rounded up to whole steps).
+    #[arg(long, value_parser = bounds::parse_tokens)]
+    pub tokens: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 16, value_parser = BATCH.parser())]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 2048, value_parser = SEQ_TOKENS.parser())]
+    pub seqlen: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1, value_parser = COUNT.parser())]
+    pub grad_accum: usize,
+    /// Rank r of the low-rank adapters.
+    #[arg(long, default_value_t = 32, value_parser = WIDTH.parser())]
+    pub lora_rank: usize,
+    /// Adapter scale numerator: updates are (alpha / r)·B·A.
+    #[arg(long, default_value_t = 64.0, value_parser = bounds::parse_positive)]
+    pub lora_alpha: f64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4, value_parser = bounds::parse_positive)]
+    pub lr: f64,
+    /// Final learning rate as a fraction of --lr (cosine decay).
+    #[arg(long, default_value_t = 0.1, value_parser = bounds::parse_unit)]
+    pub min_lr_ratio: f64,
+    /// Warm-up as a fraction of the steps.
+    #[arg(long, default_value_t = 0.05, value_parser = bounds::parse_unit)]
+    pub warmup: f64,
+    #[arg(long, default_value_t = 0.1, value_parser = bounds::parse_non_negative)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    #[arg(long, default_value_t = 1.0, value_parser = bounds::parse_non_negative)]
+    pub clip: f64,
+    /// Distillation temperature T.
+    #[arg(long, default_value_t = 2.0, value_parser = bounds::parse_positive)]
+    pub kd_temperature: f64,
+    /// Weight of the distillation term T²·KL (0: cross-entropy only).
+    #[arg(long, default_value_t = 1.0, value_parser = bounds::parse_non_negative)]
+    pub kd_weight: f64,
+    /// Weight of the next-token cross-entropy.
+    #[arg(long, default_value_t = 1.0, value_parser = bounds::parse_non_negative)]
+    pub lm_weight: f64,
+    /// What trains, comma-separated: mixers (adapters on the pruned mixers' q/k/v projections,
+    /// their convs, norms and biases whole), lora:PATTERN, full:PATTERN.
+    #[arg(long, default_value = crate::recover::plan::DEFAULT)]
+    pub train: String,
+    /// Evaluate perplexity of the teacher, the pruned and the recovered model on this text.
+    #[arg(long)]
+    pub eval: Option<String>,
+    /// Number of --eval windows.
+    #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
+    pub eval_windows: usize,
+    /// Tokens per --eval window.
+    #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
+    pub eval_seqlen: usize,
+    /// Seed of the adapters' initialisation and of the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save the training state every N steps (beside the output, for --resume).
+    #[arg(long, value_parser = COUNT.parser())]
+    pub save_every: Option<usize>,
+    /// Continue from the saved training state of an earlier run with the same settings.
+    #[arg(long)]
+    pub resume: bool,
+    /// End this run after step N, saving the training state for --resume (jobs with a time limit).
+    #[arg(long, value_parser = COUNT.parser())]
+    pub stop_after: Option<usize>,
+    /// Stop after this many non-finite steps in a row (each is skipped).
+    #[arg(long, default_value_t = 10, value_parser = COUNT.parser())]
+    pub max_bad_steps: usize,
+    /// Distil from a teacher that is not the model the student was pruned from (same family
+    /// and vocabulary).
+    #[arg(long)]
+    pub allow_unrelated_teacher: bool,
+    /// Also write the adapters in PEFT's layout (adapter_model.safetensors, adapter_config.json)
+    /// under OUTPUT/adapters.
+    #[arg(long)]
+    pub save_adapters: bool,
 }
 
 #[derive(Debug, Args)]

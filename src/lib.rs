@@ -28,6 +28,7 @@ pub mod progress;
 pub mod prune;
 pub mod recall;
 pub mod recipe;
+pub mod recover;
 pub mod report;
 pub mod select;
 pub mod serving;

@@ -18,6 +18,7 @@ fn main() {
         Command::Prune(a) => statecut::prune::run(a, q),
         Command::Bench(a) => statecut::bench::run(a, q),
         Command::Sweep(a) => statecut::sweep::run(a, q),
+        Command::Recover(a) => statecut::recover::run(a, q),
     };
     if let Some(table) = statecut::profile::report() {
         eprintln!("{table}");

@@ -148,6 +148,7 @@ fn slice_rows<'a>(t: RawTensor<'a>, keep: &[usize]) -> RawTensor<'a> {
 fn write_pytorch_bin(
     ckpt: &Checkpoint,
     rows: &BTreeMap<String, Vec<usize>>,
+    replaced: &BTreeMap<String, RawTensor<'static>>,
     dir: &Path,
     stats: &mut WriteStats,
 ) -> Result<()> {
@@ -155,7 +156,11 @@ fn write_pytorch_bin(
     let tensors = candle_core::pickle::read_all(src).with_context(|| format!("reading {}", src.display()))?;
     let mut out = Vec::new();
     for (name, t) in tensors {
-        let raw = stats.pass(raw_of(&t)?, rows.get(&name));
+        let raw = match replaced.get(&name) {
+            Some(r) => RawTensor { dtype: r.dtype, shape: r.shape.clone(), data: Cow::Owned(r.data.to_vec()) },
+            None => raw_of(&t)?,
+        };
+        let raw = stats.pass(raw, rows.get(&name));
         out.push((name, raw));
     }
     crate::torch_save::write_pth(&dir.join(src.file_name().unwrap()), &out)
@@ -237,6 +242,39 @@ impl safetensors::View for StoredTensor<'_> {
     }
 }
 
+/// A tensor of an output shard: stored (possibly sliced), or new.
+enum Out<'a> {
+    Stored(StoredTensor<'a>),
+    New(&'a RawTensor<'static>),
+}
+
+impl safetensors::View for Out<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self {
+            Out::Stored(t) => t.dtype(),
+            Out::New(t) => t.dtype,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            Out::Stored(t) => t.shape(),
+            Out::New(t) => &t.shape,
+        }
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self {
+            Out::Stored(t) => t.data(),
+            Out::New(t) => Cow::Borrowed(&t.data),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            Out::Stored(t) => t.data_len(),
+            Out::New(t) => t.data.len(),
+        }
+    }
+}
+
 /// Write the pruned checkpoint into `dir` (which must not exist yet).
 pub fn write_checkpoint(
     ckpt: &Checkpoint,
@@ -244,19 +282,40 @@ pub fn write_checkpoint(
     config: &serde_json::Value,
     dir: &Path,
 ) -> Result<WriteStats> {
+    write_checkpoint_with(ckpt, rows, &BTreeMap::new(), config, dir)
+}
+
+/// [`write_checkpoint`] with the tensors of `replaced` written in place of the stored ones
+/// (same name, shape and dtype; a recovered model's merged weights).
+pub fn write_checkpoint_with(
+    ckpt: &Checkpoint,
+    rows: &BTreeMap<String, Vec<usize>>,
+    replaced: &BTreeMap<String, RawTensor<'static>>,
+    config: &serde_json::Value,
+    dir: &Path,
+) -> Result<WriteStats> {
+    for (name, raw) in replaced {
+        let info = ckpt.info(name)?;
+        if info.shape != raw.shape || info.dtype != raw.dtype || rows.contains_key(name) {
+            bail!("internal error: the replacement of {name} does not match the stored tensor");
+        }
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut stats = WriteStats { tensors: 0, sliced: 0, bytes: 0, params: 0 };
     let mut weight_map = serde_json::Map::new();
     if ckpt.format == WeightFormat::PytorchBin {
-        write_pytorch_bin(ckpt, rows, dir, &mut stats)?;
+        write_pytorch_bin(ckpt, rows, replaced, dir, &mut stats)?;
     }
     for file in ckpt.files.iter().filter(|_| ckpt.format == WeightFormat::Safetensors) {
         let fname = file.file_name().unwrap().to_string_lossy().into_owned();
         let failed = std::sync::Mutex::new(None);
         let mut out = Vec::new();
         for (name, info) in ckpt.tensors.iter().filter(|(_, t)| &t.file == file) {
-            let t = StoredTensor::new(info, rows.get(name), &failed);
-            stats.count(&t.shape, safetensors::View::data_len(&t), t.keep.is_some());
+            let t = match replaced.get(name) {
+                Some(r) => Out::New(r),
+                None => Out::Stored(StoredTensor::new(info, rows.get(name), &failed)),
+            };
+            stats.count(safetensors::View::shape(&t), safetensors::View::data_len(&t), rows.contains_key(name));
             weight_map.insert(name.clone(), serde_json::Value::String(fname.clone()));
             out.push((name.clone(), t));
         }

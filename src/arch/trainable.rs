@@ -16,9 +16,22 @@ pub type Selector = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 #[derive(Clone, Default)]
 pub struct Trainable {
     vars: Arc<Mutex<BTreeMap<String, Var>>>,
+    /// The loaded values the variables started from, kept when asked for: a low-rank adapter
+    /// trains against its frozen base (see [`Trainable::keeping_bases`]).
+    bases: Option<Arc<Mutex<BTreeMap<String, Tensor>>>>,
 }
 
 impl Trainable {
+    /// A set that also keeps each variable's loaded tensor, frozen, beside the variable.
+    pub fn keeping_bases() -> Self {
+        Self { bases: Some(Default::default()), ..Default::default() }
+    }
+
+    /// The loaded tensors the variables started from (empty unless [`Trainable::keeping_bases`]).
+    pub fn bases(&self) -> BTreeMap<String, Tensor> {
+        self.bases.as_ref().map(|b| b.lock().expect("trainable set poisoned").clone()).unwrap_or_default()
+    }
+
     /// `weights` with the tensors `select` accepts loaded as variables registered here. A tensor
     /// read twice (a tied head, say) is the same variable both times, so its gradient is whole.
     pub fn wrap(&self, weights: VarBuilder<'static>, select: Selector) -> VarBuilder<'static> {
@@ -39,6 +52,9 @@ impl Trainable {
         }
         let var = Var::from_tensor(&t)?;
         vars.insert(name.to_string(), var.clone());
+        if let Some(bases) = &self.bases {
+            bases.lock().expect("trainable set poisoned").insert(name.to_string(), t);
+        }
         Ok(var.as_tensor().clone())
     }
 }

@@ -1,0 +1,504 @@
+//! `statecut recover`: train a pruned model back towards the model it was pruned from, with
+//! low-rank adapters and distillation (the recovery fine-tune of *On State Reduction in Linear
+//! Attention*), and write it merged in its own format.
+//!
+//! The teacher is the unpruned checkpoint, loaded once; the student shares every tensor stored
+//! identically in both ([`shared`]), so only the pruned slices and the trained tensors exist
+//! twice. The base stays frozen in the compute dtype; adapters, trained tensors and AdamW's
+//! moments are float32 ([`params`], [`optim`]). Each block is recomputed in the backward pass
+//! and the loss runs over chunks of tokens ([`stages`], [`loss`]).
+
+pub mod loss;
+pub mod optim;
+pub mod params;
+pub mod plan;
+mod report;
+pub mod shared;
+mod stages;
+pub mod state;
+
+use crate::arch::{family_for, Family, LoadOptions, StateLayout};
+use crate::checkpoint::Checkpoint;
+use crate::cli::RecoverArgs;
+use crate::data::{windows, TextSource, TextTokenizer};
+use crate::staging::Staged;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use report::{RecoverPpl, RecoverReport, Trained};
+use serde::Serialize;
+use state::{Progress, StepLog};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The settings of a run, as `statecut_recipe.toml` records them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Recipe {
+    pub data: String,
+    pub train: String,
+    pub steps: usize,
+    pub batch_size: usize,
+    pub seqlen: usize,
+    pub grad_accum: usize,
+    pub lora_rank: usize,
+    pub lora_alpha: f64,
+    pub lr: f64,
+    pub min_lr_ratio: f64,
+    pub warmup: f64,
+    pub weight_decay: f64,
+    pub clip: f64,
+    pub kd_temperature: f64,
+    pub kd_weight: f64,
+    pub lm_weight: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_eps: f64,
+    pub seed: u64,
+    pub dtype: String,
+    /// The command that repeats the run.
+    pub command: String,
+}
+
+/// AdamW as the recipe's trainer (torchtitan) sets it: eps 1e-15 and betas (0.9, 0.95).
+const BETAS: (f64, f64) = (0.9, 0.95);
+const EPS: f64 = 1e-15;
+/// Steps when neither --steps nor --tokens is given (the recipe's).
+const DEFAULT_STEPS: usize = 2000;
+
+/// A model directory, opened and checked.
+struct Opened {
+    ckpt: Checkpoint,
+    layout: StateLayout,
+}
+
+fn open(model: &str, revision: &str) -> Result<Opened> {
+    let dir = crate::hub::resolve_model(model, revision)?;
+    let ckpt = Checkpoint::open(&dir)?;
+    let layout = family_for(&ckpt)?.layout(&ckpt)?;
+    Ok(Opened { ckpt, layout })
+}
+
+/// Everything checked before any weight is loaded.
+struct Job<'a> {
+    args: &'a RecoverArgs,
+    student: Opened,
+    teacher: Opened,
+    family: &'static dyn Family,
+    relation: shared::Relation,
+    plan: plan::Plan,
+    steps: usize,
+    staged: Staged,
+    state_path: PathBuf,
+    recipe: Recipe,
+}
+
+pub fn run(args: &RecoverArgs, quiet: bool) -> Result<()> {
+    Job::prepare(args, quiet)?.execute(quiet)
+}
+
+fn steps_of(args: &RecoverArgs) -> usize {
+    let per_step = (args.batch_size * args.grad_accum * args.seqlen) as u64;
+    match (args.steps, args.tokens) {
+        (Some(s), _) => s,
+        (None, Some(t)) => t.div_ceil(per_step).max(1) as usize,
+        (None, None) => DEFAULT_STEPS,
+    }
+}
+
+/// The flags as a command line.
+fn command_of(args: &RecoverArgs, steps: usize) -> String {
+    let a = args;
+    format!(
+        "statecut recover -m {} --teacher {} --data {} -o {} --steps {steps} --batch-size {} --seqlen {} --grad-accum {} --lora-rank {} --lora-alpha {} --lr {} --min-lr-ratio {} --warmup {} --weight-decay {} --clip {} --kd-temperature {} --kd-weight {} --lm-weight {} --train {} --seed {}",
+        a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.grad_accum, a.lora_rank, a.lora_alpha, a.lr, a.min_lr_ratio, a.warmup, a.weight_decay, a.clip, a.kd_temperature, a.kd_weight, a.lm_weight, a.train, a.seed
+    )
+}
+
+impl<'a> Job<'a> {
+    fn prepare(args: &'a RecoverArgs, quiet: bool) -> Result<Self> {
+        let student = open(&args.model.model, &args.model.revision).context("the student (-m)")?;
+        let teacher = open(&args.teacher, &args.model.revision).context("the teacher (--teacher)")?;
+        let family = family_for(&student.ckpt)?;
+        let plan = plan::plan(&student.ckpt, &student.layout, &args.train)?;
+        let steps = steps_of(args);
+        crate::guard::check_output("-o", &args.output, &teacher.ckpt.dir, &teacher.ckpt.files)?;
+        let state_path = state::path_for(&args.output);
+        if args.resume && !state_path.exists() {
+            bail!("--resume: no saved training state at {}; run without --resume to start", state_path.display());
+        }
+        if !args.resume && state_path.exists() {
+            bail!(
+                "a saved training state exists at {}; pass --resume to continue it, or remove it to start over",
+                state_path.display()
+            );
+        }
+        // The texts must parse before the long checks.
+        TextSource::parse(Some(&args.data), &args.text_column)?;
+        if let Some(e) = &args.eval {
+            TextSource::parse(Some(e), "text")?;
+            if e == &args.data && !quiet {
+                eprintln!("warning: --eval is the training text; the recovered perplexity will flatter the model");
+            }
+        }
+        let relation = shared::relate(
+            &teacher.ckpt,
+            &teacher.layout,
+            &student.ckpt,
+            &student.layout,
+            args.allow_unrelated_teacher,
+        )?;
+        if !quiet && !relation.differing.is_empty() {
+            eprintln!(
+                "warning: {} tensors differ from the teacher other than by pruning (first: {})",
+                relation.differing.len(),
+                relation.differing[0]
+            );
+        }
+        let staged = Staged::new(&args.output, args.overwrite, &student.ckpt.dir, &student.ckpt.files)?;
+        let recipe = Recipe {
+            data: args.data.clone(),
+            train: args.train.clone(),
+            steps,
+            batch_size: args.batch_size,
+            seqlen: args.seqlen,
+            grad_accum: args.grad_accum,
+            lora_rank: args.lora_rank,
+            lora_alpha: args.lora_alpha,
+            lr: args.lr,
+            min_lr_ratio: args.min_lr_ratio,
+            warmup: args.warmup,
+            weight_decay: args.weight_decay,
+            clip: args.clip,
+            kd_temperature: args.kd_temperature,
+            kd_weight: args.kd_weight,
+            lm_weight: args.lm_weight,
+            adam_beta1: BETAS.0,
+            adam_beta2: BETAS.1,
+            adam_eps: EPS,
+            seed: args.seed,
+            dtype: format!("{:?}", args.model.dtype).to_lowercase(),
+            command: command_of(args, steps),
+        };
+        Ok(Self { args, student, teacher, family, relation, plan, steps, staged, state_path, recipe })
+    }
+
+    fn execute(self, quiet: bool) -> Result<()> {
+        let args = self.args;
+        let start = Instant::now();
+        let device = args.model.device.open()?;
+        let dtype = args.model.dtype.resolve(&device);
+        let opts = LoadOptions { dtype, device: device.clone(), grad: false };
+        let tok = TextTokenizer::load(&self.student.ckpt.dir, args.model.tokenizer.as_deref(), &self.student.ckpt.config)?;
+
+        // Training windows of seqlen + 1 tokens: the model reads the first seqlen and predicts the last.
+        let want = self.steps * args.grad_accum * args.batch_size;
+        let src = TextSource::parse(Some(&args.data), &args.text_column)?;
+        let tokens = tok.stream(src.documents()?, want.saturating_mul(args.seqlen).saturating_add(1))?;
+        let train = windows(&tokens, args.seqlen, want);
+        if train.len() < args.batch_size {
+            bail!(
+                "--data {}: {} tokens, fewer than one batch of {} sequences of {} tokens; use more text or a smaller --batch-size / --seqlen",
+                args.data,
+                tokens.len(),
+                args.batch_size,
+                args.seqlen + 1
+            );
+        }
+        if train.len() < want && !quiet {
+            eprintln!(
+                "note: the text gives {} sequences of {} tokens; the {} steps read it {:.1} times, in a new order each time",
+                train.len(),
+                args.seqlen,
+                self.steps,
+                want as f64 / train.len() as f64
+            );
+        }
+        let eval = self.eval_windows(&tok)?;
+        let eval_wins = eval.as_ref().map(|t| windows(t, args.eval_seqlen, args.eval_windows));
+        let before = match &eval_wins {
+            Some(w) => Some((self.ppl(&self.teacher.ckpt, &opts, w, "teacher", quiet)?, self.ppl(&self.student.ckpt, &opts, w, "pruned", quiet)?)),
+            None => None,
+        };
+
+        // One copy of the weights: the teacher's tensors pooled, the student reusing them.
+        let pool = shared::Pool::default();
+        let t_weights = pool.recording(self.teacher.ckpt.var_builder(dtype, &device)?);
+        let teacher = stages::Stages::load(self.family.layers(&self.teacher.ckpt, &opts, t_weights).context("loading the teacher")?)?;
+        let set = crate::arch::trainable::Trainable::keeping_bases();
+        let names: Arc<std::collections::BTreeSet<String>> = Arc::new(self.plan.keys().cloned().collect());
+        let select: crate::arch::trainable::Selector = Arc::new(move |n: &str| names.contains(n));
+        let s_weights =
+            set.wrap(pool.reusing(self.student.ckpt.var_builder(dtype, &device)?, Arc::new(self.relation.same.clone())), select);
+        let student = stages::Stages::load(self.family.layers(&self.student.ckpt, &opts, s_weights).context("loading the student")?)?;
+        let embed = student.layers().embed_name();
+        if self.plan.contains_key(&embed) {
+            bail!("--train selects the embeddings ({embed}), which recovery keeps frozen");
+        }
+        let mut params = params::ParamSet::new(&self.plan, &set, args.lora_rank, args.lora_alpha, args.seed)?;
+        let cfg = optim::AdamWConfig { weight_decay: args.weight_decay, beta1: BETAS.0, beta2: BETAS.1, eps: EPS };
+        let mut opt = optim::AdamW::new(cfg, &params.values)?;
+        let settings = serde_json::to_string(&(&self.recipe, &self.student.ckpt.dir, &self.teacher.ckpt.dir))?;
+        let mut progress = if args.resume {
+            state::load(&self.state_path, &mut params, &mut opt, &settings)?
+        } else {
+            Progress { step: 0, adam_t: 0, history: Vec::new(), settings }
+        };
+        if !quiet {
+            eprintln!(
+                "training {} parameters ({} adapted tensors, {} whole) from step {} of {}",
+                params.elems(),
+                self.plan.values().filter(|h| **h == plan::How::Lora).count(),
+                self.plan.values().filter(|h| **h == plan::How::Full).count(),
+                progress.step,
+                self.steps
+            );
+        }
+        let kd = loss::KdConfig { temperature: args.kd_temperature, kd_weight: args.kd_weight, lm_weight: args.lm_weight };
+        let order = Order::new(train.len(), args.seed);
+        let vars = params.vars();
+        let warmup = (args.warmup * self.steps as f64).round() as usize;
+        let tokens_per_step = (args.batch_size * args.grad_accum * args.seqlen) as u64;
+        let pb = crate::progress::bar(self.steps as u64, "recover", quiet);
+        pb.set_position(progress.step as u64);
+        let train_start = Instant::now();
+        let first = progress.step;
+        let mut bad_run = 0;
+        let last = args.stop_after.map_or(self.steps, |s| s.min(self.steps));
+        while progress.step < last {
+            let step = progress.step;
+            let lr = optim::learning_rate(step, self.steps, warmup, args.lr, args.min_lr_ratio);
+            params.refresh()?;
+            let mut acc = HashMap::new();
+            let mut parts = loss::Parts::default();
+            let scale = 1.0 / tokens_per_step as f64;
+            for micro in 0..args.grad_accum {
+                let first_seq = (step * args.grad_accum + micro) * args.batch_size;
+                let batch: Vec<&[u32]> = (0..args.batch_size).map(|i| train[order.at(first_seq + i)]).collect();
+                let (ids, targets) = batch_tensors(&batch, &device)?;
+                parts += stages::train_pass(&student, &teacher, &ids, &targets, &kd, scale, &vars, &mut acc)
+                    .with_context(|| format!("step {}", step + 1))?;
+            }
+            let mut grads = params.grads(&acc)?;
+            drop(acc);
+            let norm = optim::global_norm(&grads)?;
+            let loss = parts.loss(&kd);
+            let n = parts.tokens.max(1) as f64;
+            let skipped = !(norm.is_finite() && loss.is_finite());
+            if skipped {
+                bad_run += 1;
+                if bad_run >= args.max_bad_steps {
+                    progress.history.push(StepLog { step: step + 1, loss, ce: parts.ce / n, kd: 0.0, lr, grad_norm: norm, skipped });
+                    bail!(
+                        "step {}: {bad_run} steps in a row had a non-finite loss or gradient; stopping (the last saved state, if any, is {}); try a lower --lr",
+                        step + 1,
+                        self.state_path.display()
+                    );
+                }
+            } else {
+                bad_run = 0;
+                optim::clip(&mut grads, norm, args.clip)?;
+                opt.step(&mut params.values, &grads, lr)?;
+            }
+            let kd_part = kd.kd_weight * kd.temperature * kd.temperature * parts.kl / n;
+            progress.history.push(StepLog { step: step + 1, loss, ce: parts.ce / n, kd: kd_part, lr, grad_norm: norm, skipped });
+            progress.step += 1;
+            progress.adam_t = opt.t;
+            let rate = ((progress.step - first) as u64 * tokens_per_step) as f64 / train_start.elapsed().as_secs_f64();
+            pb.set_message(format!("loss {loss:.3} kd {kd_part:.3} {rate:.0} tok/s"));
+            pb.inc(1);
+            let save = args.save_every.is_some_and(|e| progress.step.is_multiple_of(e)) || progress.step == last && last < self.steps;
+            if save {
+                state::save(&self.state_path, &params, &opt, &progress)?;
+            }
+        }
+        pb.finish_and_clear();
+        if progress.step < self.steps {
+            println!(
+                "stopped after step {} of {}; the training state is in {}: continue with --resume",
+                progress.step,
+                self.steps,
+                self.state_path.display()
+            );
+            return Ok(());
+        }
+        let train_seconds = train_start.elapsed().as_secs_f64();
+        let trained_tokens = (progress.step - first) as u64 * tokens_per_step;
+        drop((student, teacher, vars));
+
+        // The merged checkpoint, reloaded and evaluated before it is committed.
+        let updates = params.updates()?;
+        let replaced = merged(&self.student.ckpt, &updates)?;
+        crate::surgery::write_checkpoint_with(&self.student.ckpt, &BTreeMap::new(), &replaced, &self.student.ckpt.config, &self.staged.tmp)?;
+        if args.save_adapters {
+            write_adapters(&self.staged.tmp.join("adapters"), &params, args, &self.student.ckpt)?;
+        }
+        let out = Checkpoint::open(&self.staged.tmp)?;
+        let recovered = match &eval_wins {
+            Some(w) => Some(self.ppl(&out, &opts, w, "recovered", quiet)?),
+            None => None,
+        };
+        let (peak, _) = crate::stream::peak_memory(&device);
+        let report = RecoverReport {
+            tool: "statecut",
+            version: env!("CARGO_PKG_VERSION"),
+            student: args.model.model.clone(),
+            teacher: args.teacher.clone(),
+            output: args.output.display().to_string(),
+            family: self.student.layout.family.clone(),
+            shared_tensors: self.relation.same.len(),
+            trained: Trained {
+                adapted: self.plan.iter().filter(|(_, h)| **h == plan::How::Lora).map(|(n, _)| n.clone()).collect(),
+                whole: self.plan.iter().filter(|(_, h)| **h == plan::How::Full).map(|(n, _)| n.clone()).collect(),
+                params: params.elems(),
+            },
+            recipe: self.recipe.clone(),
+            steps: progress.step,
+            skipped_steps: progress.history.iter().filter(|s| s.skipped).count(),
+            tokens: progress.step as u64 * tokens_per_step,
+            seconds: start.elapsed().as_secs_f64(),
+            tokens_per_second: trained_tokens as f64 / train_seconds.max(1e-9),
+            peak_memory_bytes: peak,
+            ppl: match (before, recovered, &eval_wins) {
+                (Some((teacher, pruned)), Some(recovered), Some(w)) => Some(RecoverPpl {
+                    data: args.eval.clone().unwrap_or_default(),
+                    windows: w.len(),
+                    seqlen: args.eval_seqlen,
+                    teacher,
+                    pruned,
+                    recovered,
+                }),
+                _ => None,
+            },
+            history: progress.history,
+        };
+        let tmp = &self.staged.tmp;
+        std::fs::write(tmp.join("statecut_recover.json"), serde_json::to_string_pretty(&report)? + "\n")?;
+        std::fs::write(tmp.join("statecut_recover.md"), report.markdown())?;
+        std::fs::write(tmp.join("statecut_recover_loss.svg"), report.loss_svg())?;
+        std::fs::write(tmp.join("statecut_recipe.toml"), toml::to_string(&self.recipe)?)?;
+        self.staged.commit()?;
+        if self.state_path.exists() {
+            std::fs::remove_file(&self.state_path).with_context(|| format!("removing {}", self.state_path.display()))?;
+        }
+        println!("{}", report.summary());
+        if !quiet {
+            eprintln!("wrote {}", args.output.display());
+        }
+        Ok(())
+    }
+
+    fn eval_windows(&self, tok: &TextTokenizer) -> Result<Option<Vec<u32>>> {
+        let Some(e) = &self.args.eval else { return Ok(None) };
+        let (n, l) = (self.args.eval_windows, self.args.eval_seqlen);
+        let tokens = tok.stream(TextSource::parse(Some(e), "text")?.documents()?, n * l + 1)?;
+        if windows(&tokens, l, n).is_empty() {
+            bail!("--eval {e}: shorter than one window of {l} tokens; use a longer text or a smaller --eval-seqlen");
+        }
+        Ok(Some(tokens))
+    }
+
+    /// Perplexity of one checkpoint, loaded for the occasion and dropped.
+    fn ppl(&self, ckpt: &Checkpoint, opts: &LoadOptions, wins: &[&[u32]], what: &str, quiet: bool) -> Result<f64> {
+        let model = self.family.load(ckpt, opts).with_context(|| format!("loading the {what} model"))?;
+        let r = crate::eval::perplexity(model.as_ref(), wins, 1, quiet).with_context(|| format!("evaluating the {what} model"))?;
+        if !quiet {
+            eprintln!("{what}: ppl {:.4}", r.ppl);
+        }
+        Ok(r.ppl)
+    }
+}
+
+/// The order training reads the windows in: a new permutation per pass over them, drawn from
+/// the seed, so that a step's data depends only on its index (what --resume relies on).
+struct Order {
+    n: usize,
+    seed: u64,
+    perms: std::cell::RefCell<HashMap<usize, Vec<usize>>>,
+}
+
+impl Order {
+    fn new(n: usize, seed: u64) -> Self {
+        Self { n, seed, perms: Default::default() }
+    }
+
+    fn at(&self, i: usize) -> usize {
+        let (epoch, pos) = (i / self.n, i % self.n);
+        let mut perms = self.perms.borrow_mut();
+        let perm = perms.entry(epoch).or_insert_with(|| {
+            let mut p: Vec<usize> = (0..self.n).collect();
+            p.shuffle(&mut rand::rngs::StdRng::seed_from_u64(crate::calib::sequence_seed(self.seed, epoch)));
+            p
+        });
+        perm[pos]
+    }
+}
+
+/// Inputs and targets [B, L] of windows of L + 1 tokens.
+fn batch_tensors(batch: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
+    let l = batch[0].len() - 1;
+    let ids: Vec<u32> = batch.iter().flat_map(|w| w[..l].iter().copied()).collect();
+    let targets: Vec<u32> = batch.iter().flat_map(|w| w[1..].iter().copied()).collect();
+    Ok((Tensor::from_vec(ids, (batch.len(), l), device)?, Tensor::from_vec(targets, (batch.len(), l), device)?))
+}
+
+/// The candle dtype of a stored dtype.
+fn dtype_of(d: safetensors::Dtype) -> Result<DType> {
+    Ok(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::F64 => DType::F64,
+        d => bail!("cannot train a tensor stored as {d:?}"),
+    })
+}
+
+/// The new stored tensors: W + (α/r)·B·A computed in float32 from the stored W, or the trained
+/// value, each in its stored dtype.
+pub fn merged(
+    ckpt: &Checkpoint,
+    updates: &[(String, params::Update)],
+) -> Result<BTreeMap<String, crate::surgery::RawTensor<'static>>> {
+    let mut out = BTreeMap::new();
+    for (name, u) in updates {
+        let info = ckpt.info(name)?;
+        let value = match u {
+            params::Update::Add(delta) => (ckpt.tensor_f32(name)? + delta)?,
+            params::Update::Value(v) => v.reshape(info.shape.clone())?,
+        };
+        let raw = crate::surgery::raw_of(&value.to_dtype(dtype_of(info.dtype)?)?)?;
+        out.insert(name.clone(), raw);
+    }
+    Ok(out)
+}
+
+/// The adapters in PEFT's layout: `base_model.model.<module>.lora_A.weight` [r, in] and
+/// `lora_B.weight` [out, r] (float32), with the config PEFT reads.
+fn write_adapters(dir: &std::path::Path, params: &params::ParamSet, args: &RecoverArgs, ckpt: &Checkpoint) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut tensors = Vec::new();
+    let mut modules = Vec::new();
+    for (name, a, b) in params.adapters()? {
+        let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        tensors.push((format!("base_model.model.{module}.lora_A.weight"), a));
+        tensors.push((format!("base_model.model.{module}.lora_B.weight"), b));
+        modules.push(module);
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    crate::surgery::write_tensors_atomic(&dir.join("adapter_model.safetensors"), &tensors, meta)?;
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": ckpt.dir.display().to_string(),
+        "r": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": modules,
+        "inference_mode": true,
+    });
+    std::fs::write(dir.join("adapter_config.json"), serde_json::to_string_pretty(&config)? + "\n")?;
+    Ok(())
+}

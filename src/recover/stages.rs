@@ -1,0 +1,133 @@
+//! A model as stages (embedding, blocks, head) run for training with activation
+//! checkpointing: the forward keeps only each block's input, the loss runs over chunks of token
+//! rows, and the backward recomputes one block at a time from its input, carrying the gradient
+//! of the residual stream down through `sum(block(x) · g)`.
+
+use super::loss::{self, KdConfig, Parts};
+use crate::arch::layered::{self, Block, Head, Layers};
+use crate::arch::NoObserver;
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor, Var};
+use candle_nn::Embedding;
+use std::collections::HashMap;
+
+/// Every stage of a model, loaded.
+pub struct Stages {
+    layers: Box<dyn Layers>,
+    embed: Embedding,
+    blocks: Vec<Box<dyn Block>>,
+    head: Head,
+}
+
+/// Bytes of float32 logits (and their softmax intermediates) one loss chunk may hold.
+const CHUNK_LOGIT_BYTES: usize = 256 << 20;
+
+impl Stages {
+    pub fn load(layers: Box<dyn Layers>) -> Result<Self> {
+        let embed = layers.embed()?;
+        let blocks =
+            (0..layers.num_blocks()).map(|i| layered::load_block(&*layers, i, &mut Vec::new())).collect::<Result<_>>()?;
+        let head = layers.head(Some(&embed))?;
+        Ok(Self { layers, embed, blocks, head })
+    }
+
+    pub fn layers(&self) -> &dyn Layers {
+        &*self.layers
+    }
+
+    /// The residual stream after the last block [B, T, D] (no gradient is kept).
+    pub fn final_hidden(&self, ids: &Tensor) -> Result<Tensor> {
+        let l = &*self.layers;
+        let mut h = layered::embed(l, &self.embed, ids, &mut NoObserver)?;
+        for blk in &self.blocks {
+            h = blk.forward(&h, &mut NoObserver, None)?.detach();
+        }
+        Ok(h)
+    }
+
+    /// Logits [R, V] of residual rows [R, D].
+    fn logits(&self, rows: &Tensor) -> Result<Tensor> {
+        let out = self.head.forward(&rows.unsqueeze(0)?, &mut NoObserver, self.blocks.len())?;
+        Ok(out.squeeze(0)?)
+    }
+
+    /// Token rows per loss chunk for a vocabulary of `vocab`.
+    fn chunk_rows(vocab: usize) -> usize {
+        (CHUNK_LOGIT_BYTES / (vocab.max(1) * 4 * 6)).max(1)
+    }
+}
+
+/// Add each variable's gradient in `grads` to `acc` (float32, by name).
+fn accumulate(vars: &[(String, Var)], grads: &candle_core::backprop::GradStore, acc: &mut HashMap<String, Tensor>) -> Result<()> {
+    for (name, var) in vars {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            let g = g.to_dtype(DType::F32)?;
+            let sum = match acc.remove(name) {
+                Some(a) => (a + g)?,
+                None => g,
+            };
+            acc.insert(name.clone(), sum);
+        }
+    }
+    Ok(())
+}
+
+/// One micro-batch: the student's loss against the teacher on `ids` [B, T] predicting
+/// `targets` [B, T], scaled by `scale`, with the gradients of `vars` added to `acc`.
+pub fn train_pass(
+    student: &Stages,
+    teacher: &Stages,
+    ids: &Tensor,
+    targets: &Tensor,
+    cfg: &KdConfig,
+    scale: f64,
+    vars: &[(String, Var)],
+    acc: &mut HashMap<String, Tensor>,
+) -> Result<Parts> {
+    let t_hidden = if cfg.kd_weight > 0.0 { Some(teacher.final_hidden(ids)?) } else { None };
+    // Forward, keeping each block's input only.
+    let l = student.layers();
+    let mut h = layered::embed(l, &student.embed, ids, &mut NoObserver)?.detach();
+    let mut inputs = Vec::with_capacity(student.blocks.len());
+    for (i, blk) in student.blocks.iter().enumerate() {
+        let out = blk.forward(&h, &mut NoObserver, None).with_context(|| format!("layer {i}"))?.detach();
+        inputs.push(std::mem::replace(&mut h, out));
+    }
+    // The loss over chunks of rows, each chunk's logits freed before the next.
+    let (b, t, d) = h.dims3()?;
+    let rows = h.reshape((b * t, d))?;
+    let t_rows = t_hidden.map(|th| th.reshape((b * t, d))).transpose()?;
+    let targets = targets.flatten_all()?;
+    let step = Stages::chunk_rows(student.head.lm_head.weight().dim(0)?);
+    let mut parts = Parts::default();
+    let mut g_rows = Vec::new();
+    for start in (0..b * t).step_by(step) {
+        let n = step.min(b * t - start);
+        let x = Var::from_tensor(&rows.narrow(0, start, n)?)?;
+        let s_logits = student.logits(x.as_tensor())?;
+        let t_logits = match &t_rows {
+            Some(tr) => teacher.logits(&tr.narrow(0, start, n)?)?,
+            None => s_logits.detach(),
+        };
+        let (loss, p) = loss::chunk(&s_logits, &t_logits, &targets.narrow(0, start, n)?, cfg, scale)?;
+        let grads = loss.backward()?;
+        accumulate(vars, &grads, acc)?;
+        g_rows.push(grads.get(x.as_tensor()).context("no gradient reached the final hidden state")?.clone());
+        parts += p;
+    }
+    let mut g = Tensor::cat(&g_rows, 0)?.reshape((b, t, d))?.to_dtype(h.dtype())?;
+    drop((rows, h));
+    // Backward, one recomputed block at a time.
+    for i in (0..student.blocks.len()).rev() {
+        let input = inputs.pop().context("block inputs out of step")?;
+        let x = Var::from_tensor(&input)?;
+        drop(input);
+        let y = student.blocks[i].forward(x.as_tensor(), &mut NoObserver, None).with_context(|| format!("layer {i}"))?;
+        let grads = (y * &g)?.sum_all()?.backward()?;
+        accumulate(vars, &grads, acc)?;
+        if i > 0 {
+            g = grads.get(x.as_tensor()).with_context(|| format!("no gradient reached the input of layer {i}"))?.clone();
+        }
+    }
+    Ok(parts)
+}
