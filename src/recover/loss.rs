@@ -44,7 +44,13 @@ impl Parts {
 /// The loss of `rows` token rows: student logits [R, V] (differentiable), teacher logits
 /// [R, V] (ignored when the KD weight is 0) and targets [R] (u32), scaled by `scale` (one over
 /// the step's tokens). Returns the scalar to differentiate and the unscaled sums.
-pub fn chunk(student: &Tensor, teacher: &Tensor, targets: &Tensor, cfg: &KdConfig, scale: f64) -> Result<(Tensor, Parts)> {
+pub fn chunk(
+    student: &Tensor,
+    teacher: &Tensor,
+    targets: &Tensor,
+    cfg: &KdConfig,
+    scale: f64,
+) -> Result<(Tensor, Parts)> {
     let s = student.to_dtype(DType::F32)?;
     let logp = log_softmax(&s, D::Minus1)?;
     let ce = logp.gather(&targets.unsqueeze(1)?, 1)?.neg()?.sum_all()?;
@@ -90,8 +96,10 @@ mod tests {
         let dev = Device::Cpu;
         let (r, v) = (3, 7);
         let cfg = KdConfig { temperature: 2.0, kd_weight: 0.7, lm_weight: 1.3 };
-        let s: Vec<Vec<f64>> = (0..r).map(|i| (0..v).map(|j| ((i * 7 + j * 3) % 11) as f64 * 0.3 - 1.2).collect()).collect();
-        let t: Vec<Vec<f64>> = (0..r).map(|i| (0..v).map(|j| ((i * 5 + j * 2) % 9) as f64 * 0.4 - 1.0).collect()).collect();
+        let s: Vec<Vec<f64>> =
+            (0..r).map(|i| (0..v).map(|j| ((i * 7 + j * 3) % 11) as f64 * 0.3 - 1.2).collect()).collect();
+        let t: Vec<Vec<f64>> =
+            (0..r).map(|i| (0..v).map(|j| ((i * 5 + j * 2) % 9) as f64 * 0.4 - 1.0).collect()).collect();
         let y = [2usize, 0, 6];
         let flat = |m: &[Vec<f64>]| m.iter().flatten().map(|x| *x as f32).collect::<Vec<_>>();
         let sv = Var::from_tensor(&Tensor::from_vec(flat(&s), (r, v), &dev)?)?;

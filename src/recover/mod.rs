@@ -191,7 +191,8 @@ impl<'a> Job<'a> {
         let device = args.model.device.open()?;
         let dtype = args.model.dtype.resolve(&device);
         let opts = LoadOptions { dtype, device: device.clone(), grad: false };
-        let tok = TextTokenizer::load(&self.student.ckpt.dir, args.model.tokenizer.as_deref(), &self.student.ckpt.config)?;
+        let tok =
+            TextTokenizer::load(&self.student.ckpt.dir, args.model.tokenizer.as_deref(), &self.student.ckpt.config)?;
 
         // Training windows of seqlen + 1 tokens: the model reads the first seqlen and predicts the last.
         let want = self.steps * args.grad_accum * args.batch_size;
@@ -219,20 +220,29 @@ impl<'a> Job<'a> {
         let eval = self.eval_windows(&tok)?;
         let eval_wins = eval.as_ref().map(|t| windows(t, args.eval_seqlen, args.eval_windows));
         let before = match &eval_wins {
-            Some(w) => Some((self.ppl(&self.teacher.ckpt, &opts, w, "teacher", quiet)?, self.ppl(&self.student.ckpt, &opts, w, "pruned", quiet)?)),
+            Some(w) => Some((
+                self.ppl(&self.teacher.ckpt, &opts, w, "teacher", quiet)?,
+                self.ppl(&self.student.ckpt, &opts, w, "pruned", quiet)?,
+            )),
             None => None,
         };
 
         // One copy of the weights: the teacher's tensors pooled, the student reusing them.
         let pool = shared::Pool::default();
         let t_weights = pool.recording(self.teacher.ckpt.var_builder(dtype, &device)?);
-        let teacher = stages::Stages::load(self.family.layers(&self.teacher.ckpt, &opts, t_weights).context("loading the teacher")?)?;
+        let teacher = stages::Stages::load(
+            self.family.layers(&self.teacher.ckpt, &opts, t_weights).context("loading the teacher")?,
+        )?;
         let set = crate::arch::trainable::Trainable::keeping_bases();
         let names: Arc<std::collections::BTreeSet<String>> = Arc::new(self.plan.keys().cloned().collect());
         let select: crate::arch::trainable::Selector = Arc::new(move |n: &str| names.contains(n));
-        let s_weights =
-            set.wrap(pool.reusing(self.student.ckpt.var_builder(dtype, &device)?, Arc::new(self.relation.same.clone())), select);
-        let student = stages::Stages::load(self.family.layers(&self.student.ckpt, &opts, s_weights).context("loading the student")?)?;
+        let s_weights = set.wrap(
+            pool.reusing(self.student.ckpt.var_builder(dtype, &device)?, Arc::new(self.relation.same.clone())),
+            select,
+        );
+        let student = stages::Stages::load(
+            self.family.layers(&self.student.ckpt, &opts, s_weights).context("loading the student")?,
+        )?;
         let embed = student.layers().embed_name();
         if self.plan.contains_key(&embed) {
             bail!("--train selects the embeddings ({embed}), which recovery keeps frozen");
@@ -256,7 +266,8 @@ impl<'a> Job<'a> {
                 self.steps
             );
         }
-        let kd = loss::KdConfig { temperature: args.kd_temperature, kd_weight: args.kd_weight, lm_weight: args.lm_weight };
+        let kd =
+            loss::KdConfig { temperature: args.kd_temperature, kd_weight: args.kd_weight, lm_weight: args.lm_weight };
         let order = Order::new(train.len(), args.seed);
         let vars = params.vars();
         let warmup = (args.warmup * self.steps as f64).round() as usize;
@@ -290,7 +301,15 @@ impl<'a> Job<'a> {
             if skipped {
                 bad_run += 1;
                 if bad_run >= args.max_bad_steps {
-                    progress.history.push(StepLog { step: step + 1, loss, ce: parts.ce / n, kd: 0.0, lr, grad_norm: norm, skipped });
+                    progress.history.push(StepLog {
+                        step: step + 1,
+                        loss,
+                        ce: parts.ce / n,
+                        kd: 0.0,
+                        lr,
+                        grad_norm: norm,
+                        skipped,
+                    });
                     bail!(
                         "step {}: {bad_run} steps in a row had a non-finite loss or gradient; stopping (the last saved state, if any, is {}); try a lower --lr",
                         step + 1,
@@ -303,13 +322,22 @@ impl<'a> Job<'a> {
                 opt.step(&mut params.values, &grads, lr)?;
             }
             let kd_part = kd.kd_weight * kd.temperature * kd.temperature * parts.kl / n;
-            progress.history.push(StepLog { step: step + 1, loss, ce: parts.ce / n, kd: kd_part, lr, grad_norm: norm, skipped });
+            progress.history.push(StepLog {
+                step: step + 1,
+                loss,
+                ce: parts.ce / n,
+                kd: kd_part,
+                lr,
+                grad_norm: norm,
+                skipped,
+            });
             progress.step += 1;
             progress.adam_t = opt.t;
             let rate = ((progress.step - first) as u64 * tokens_per_step) as f64 / train_start.elapsed().as_secs_f64();
             pb.set_message(format!("loss {loss:.3} kd {kd_part:.3} {rate:.0} tok/s"));
             pb.inc(1);
-            let save = args.save_every.is_some_and(|e| progress.step.is_multiple_of(e)) || progress.step == last && last < self.steps;
+            let save = args.save_every.is_some_and(|e| progress.step.is_multiple_of(e))
+                || progress.step == last && last < self.steps;
             if save {
                 state::save(&self.state_path, &params, &opt, &progress)?;
             }
@@ -331,7 +359,13 @@ impl<'a> Job<'a> {
         // The merged checkpoint, reloaded and evaluated before it is committed.
         let updates = params.updates()?;
         let replaced = merged(&self.student.ckpt, &updates)?;
-        crate::surgery::write_checkpoint_with(&self.student.ckpt, &BTreeMap::new(), &replaced, &self.student.ckpt.config, &self.staged.tmp)?;
+        crate::surgery::write_checkpoint_with(
+            &self.student.ckpt,
+            &BTreeMap::new(),
+            &replaced,
+            &self.student.ckpt.config,
+            &self.staged.tmp,
+        )?;
         if args.save_adapters {
             write_adapters(&self.staged.tmp.join("adapters"), &params, args, &self.student.ckpt)?;
         }
@@ -381,7 +415,8 @@ impl<'a> Job<'a> {
         std::fs::write(tmp.join("statecut_recipe.toml"), toml::to_string(&self.recipe)?)?;
         self.staged.commit()?;
         if self.state_path.exists() {
-            std::fs::remove_file(&self.state_path).with_context(|| format!("removing {}", self.state_path.display()))?;
+            std::fs::remove_file(&self.state_path)
+                .with_context(|| format!("removing {}", self.state_path.display()))?;
         }
         println!("{}", report.summary());
         if !quiet {
@@ -403,7 +438,8 @@ impl<'a> Job<'a> {
     /// Perplexity of one checkpoint, loaded for the occasion and dropped.
     fn ppl(&self, ckpt: &Checkpoint, opts: &LoadOptions, wins: &[&[u32]], what: &str, quiet: bool) -> Result<f64> {
         let model = self.family.load(ckpt, opts).with_context(|| format!("loading the {what} model"))?;
-        let r = crate::eval::perplexity(model.as_ref(), wins, 1, quiet).with_context(|| format!("evaluating the {what} model"))?;
+        let r = crate::eval::perplexity(model.as_ref(), wins, 1, quiet)
+            .with_context(|| format!("evaluating the {what} model"))?;
         if !quiet {
             eprintln!("{what}: ppl {:.4}", r.ppl);
         }
@@ -437,7 +473,7 @@ impl Order {
 }
 
 /// Inputs and targets [B, L] of windows of L + 1 tokens.
-fn batch_tensors(batch: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn batch_tensors(batch: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
     let l = batch[0].len() - 1;
     let ids: Vec<u32> = batch.iter().flat_map(|w| w[..l].iter().copied()).collect();
     let targets: Vec<u32> = batch.iter().flat_map(|w| w[1..].iter().copied()).collect();
@@ -476,7 +512,12 @@ pub fn merged(
 
 /// The adapters in PEFT's layout: `base_model.model.<module>.lora_A.weight` [r, in] and
 /// `lora_B.weight` [out, r] (float32), with the config PEFT reads.
-fn write_adapters(dir: &std::path::Path, params: &params::ParamSet, args: &RecoverArgs, ckpt: &Checkpoint) -> Result<()> {
+fn write_adapters(
+    dir: &std::path::Path,
+    params: &params::ParamSet,
+    args: &RecoverArgs,
+    ckpt: &Checkpoint,
+) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut tensors = Vec::new();
     let mut modules = Vec::new();

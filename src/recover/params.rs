@@ -40,7 +40,8 @@ impl ParamSet {
         let (vars, bases) = (set.vars(), set.bases());
         let mut out = Self { names: Vec::new(), values: Vec::new(), slots: Vec::new() };
         for (i, (name, how)) in plan.iter().enumerate() {
-            let var = vars.get(name).with_context(|| format!("--train selects {name}, which the model does not read"))?;
+            let var =
+                vars.get(name).with_context(|| format!("--train selects {name}, which the model does not read"))?;
             let dev = var.device().clone();
             match how {
                 How::Full => {
@@ -53,7 +54,10 @@ impl ParamSet {
                     let base = bases.get(name).with_context(|| format!("no frozen base for {name}"))?.clone();
                     let (rows, cols) = base.dims2().with_context(|| format!("{name} is not a matrix"))?;
                     if rank > rows.min(cols) {
-                        bail!("--lora-rank {rank} is above the width of {name} ({rows} x {cols}); use at most {}", rows.min(cols));
+                        bail!(
+                            "--lora-rank {rank} is above the width of {name} ({rows} x {cols}); use at most {}",
+                            rows.min(cols)
+                        );
                     }
                     // One stream per tensor, so that adding a tensor to the plan leaves the others' draws alone.
                     let mut rng = rand::rngs::StdRng::seed_from_u64(crate::calib::sequence_seed(seed, i));

@@ -92,7 +92,8 @@ impl RecoverReport {
     /// The loss and its parts per step.
     pub fn loss_svg(&self) -> String {
         let ok: Vec<&StepLog> = self.history.iter().filter(|s| !s.skipped).collect();
-        let series = |name: &str, f: fn(&StepLog) -> f64| (name.to_string(), ok.iter().map(|s| (s.step as f64, f(s))).collect());
+        let series =
+            |name: &str, f: fn(&StepLog) -> f64| (name.to_string(), ok.iter().map(|s| (s.step as f64, f(s))).collect());
         let mut curves = vec![series("loss", |s| s.loss), series("cross-entropy", |s| s.ce)];
         if self.recipe.kd_weight > 0.0 {
             curves.push(series("T²·KL", |s| s.kd));

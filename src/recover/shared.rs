@@ -45,7 +45,14 @@ struct Recording {
 }
 
 impl SimpleBackend for Recording {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, _: &Device) -> Result<Tensor, candle_core::Error> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        _: &Device,
+    ) -> Result<Tensor, candle_core::Error> {
         let t = self.inner.get_with_hints_dtype(s, name, h, dtype)?;
         self.pool.put(name, &t);
         Ok(t)
@@ -69,7 +76,14 @@ struct Reusing {
 }
 
 impl SimpleBackend for Reusing {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, _: &Device) -> Result<Tensor, candle_core::Error> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        _: &Device,
+    ) -> Result<Tensor, candle_core::Error> {
         if self.same.contains(name) {
             if let Some(t) = self.pool.get(name, &s, dtype) {
                 return Ok(t);
@@ -80,7 +94,8 @@ impl SimpleBackend for Reusing {
 
     fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> Result<Tensor, candle_core::Error> {
         if self.same.contains(name) {
-            if let Some(t) = self.pool.0.lock().expect("weight pool poisoned").get(name).filter(|t| t.dtype() == dtype) {
+            if let Some(t) = self.pool.0.lock().expect("weight pool poisoned").get(name).filter(|t| t.dtype() == dtype)
+            {
                 return Ok(t.clone());
             }
         }
@@ -170,7 +185,8 @@ pub fn relate(
     if s_layers != t_layers {
         bail!("the student's recurrent layers {s_layers:?} differ from the teacher's {t_layers:?}");
     }
-    let sliced: BTreeSet<&str> = s_layout.layers.iter().flat_map(|l| l.slices.iter().map(|s| s.tensor.as_str())).collect();
+    let sliced: BTreeSet<&str> =
+        s_layout.layers.iter().flat_map(|l| l.slices.iter().map(|s| s.tensor.as_str())).collect();
     for name in student.tensors.keys() {
         if !teacher.tensors.contains_key(name) {
             bail!("the student has {name}, which the teacher lacks: distil from the model the student was pruned from");
@@ -253,8 +269,7 @@ fn kept_channels(
     };
     let mut kept = Vec::with_capacity(s_l.key_heads);
     for h in 0..s_l.key_heads {
-        let by_sig: HashMap<Vec<u8>, usize> =
-            (0..t_dk).rev().map(|j| (signature(t_l, h, j, true), j)).collect();
+        let by_sig: HashMap<Vec<u8>, usize> = (0..t_dk).rev().map(|j| (signature(t_l, h, j, true), j)).collect();
         let mut chans = Vec::with_capacity(s_dk);
         for j in 0..s_dk {
             let c = by_sig.get(&signature(s_l, h, j, false)).copied();

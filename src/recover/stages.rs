@@ -25,8 +25,9 @@ const CHUNK_LOGIT_BYTES: usize = 256 << 20;
 impl Stages {
     pub fn load(layers: Box<dyn Layers>) -> Result<Self> {
         let embed = layers.embed()?;
-        let blocks =
-            (0..layers.num_blocks()).map(|i| layered::load_block(&*layers, i, &mut Vec::new())).collect::<Result<_>>()?;
+        let blocks = (0..layers.num_blocks())
+            .map(|i| layered::load_block(&*layers, i, &mut Vec::new()))
+            .collect::<Result<_>>()?;
         let head = layers.head(Some(&embed))?;
         Ok(Self { layers, embed, blocks, head })
     }
@@ -58,7 +59,11 @@ impl Stages {
 }
 
 /// Add each variable's gradient in `grads` to `acc` (float32, by name).
-fn accumulate(vars: &[(String, Var)], grads: &candle_core::backprop::GradStore, acc: &mut HashMap<String, Tensor>) -> Result<()> {
+fn accumulate(
+    vars: &[(String, Var)],
+    grads: &candle_core::backprop::GradStore,
+    acc: &mut HashMap<String, Tensor>,
+) -> Result<()> {
     for (name, var) in vars {
         if let Some(g) = grads.get(var.as_tensor()) {
             let g = g.to_dtype(DType::F32)?;
@@ -122,12 +127,79 @@ pub fn train_pass(
         let input = inputs.pop().context("block inputs out of step")?;
         let x = Var::from_tensor(&input)?;
         drop(input);
-        let y = student.blocks[i].forward(x.as_tensor(), &mut NoObserver, None).with_context(|| format!("layer {i}"))?;
+        let y =
+            student.blocks[i].forward(x.as_tensor(), &mut NoObserver, None).with_context(|| format!("layer {i}"))?;
         let grads = (y * &g)?.sum_all()?.backward()?;
         accumulate(vars, &grads, acc)?;
         if i > 0 {
-            g = grads.get(x.as_tensor()).with_context(|| format!("no gradient reached the input of layer {i}"))?.clone();
+            g = grads
+                .get(x.as_tensor())
+                .with_context(|| format!("no gradient reached the input of layer {i}"))?
+                .clone();
         }
     }
     Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::trainable::{Selector, Trainable};
+    use crate::arch::{family_for, LoadOptions};
+    use crate::checkpoint::Checkpoint;
+    use candle_core::Device;
+    use std::sync::Arc;
+
+    /// The checkpointed, chunked pass gives the gradients of one whole-graph backward of the
+    /// same loss (cross-entropy, with the distillation term against a second copy).
+    #[test]
+    fn checkpointed_gradients_equal_a_whole_backward() -> Result<()> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models/gdn-moby");
+        let ckpt = Checkpoint::open(&dir)?;
+        let family = family_for(&ckpt)?;
+        let opts = LoadOptions::cpu_f32();
+        let pick: Selector = Arc::new(|n: &str| {
+            n.contains("layers.1.attn.q_proj")
+                || n.contains("layers.0.attn.k_conv1d")
+                || n.contains("layers.3.mlp.down")
+        });
+        let set = Trainable::default();
+        let student = Stages::load(family.layers(
+            &ckpt,
+            &opts,
+            set.wrap(ckpt.var_builder(opts.dtype, &opts.device)?, pick.clone()),
+        )?)?;
+        let teacher = Stages::load(family.layers(&ckpt, &opts, ckpt.var_builder(opts.dtype, &opts.device)?)?)?;
+        let vars: Vec<(String, Var)> = set.vars().into_iter().collect();
+        assert_eq!(vars.len(), 3);
+        // Nudge the student off the teacher so that the distillation term has a gradient.
+        for (_, v) in &vars {
+            v.set(&(v.as_tensor() * 1.05)?)?;
+        }
+        let (b, t) = (2, 24);
+        let ids: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 37 % 2000) as u32).collect();
+        let wins: Vec<&[u32]> = ids.chunks(t + 1).collect();
+        let (x, y) = crate::recover::batch_tensors(&wins, &Device::Cpu)?;
+        let cfg = KdConfig { temperature: 2.0, kd_weight: 0.5, lm_weight: 1.0 };
+        let mut acc = HashMap::new();
+        train_pass(&student, &teacher, &x, &y, &cfg, 1.0 / (b * t) as f64, &vars, &mut acc)?;
+
+        // The same loss over one graph.
+        let mut h = layered::embed(student.layers(), &student.embed, &x, &mut NoObserver)?;
+        for blk in &student.blocks {
+            h = blk.forward(&h, &mut NoObserver, None)?;
+        }
+        let s_logits = student.logits(&h.reshape((b * t, ()))?)?;
+        let t_logits = teacher.logits(&teacher.final_hidden(&x)?.reshape((b * t, ()))?)?;
+        let (loss, _) = loss::chunk(&s_logits, &t_logits, &y.flatten_all()?, &cfg, 1.0 / (b * t) as f64)?;
+        let whole = loss.backward()?;
+        for (name, v) in &vars {
+            let want = whole.get(v.as_tensor()).expect("whole-graph gradient");
+            let got = &acc[name];
+            let err = ((got - want)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?)
+                / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
+            assert!(err < 1e-4, "{name}: relative error {err}");
+        }
+        Ok(())
+    }
 }

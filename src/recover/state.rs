@@ -62,7 +62,8 @@ pub fn load(path: &Path, params: &mut ParamSet, opt: &mut AdamW, settings: &str)
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| anyhow::anyhow!("{}: not a training state ({e})", path.display()))?;
     let text = meta.metadata().as_ref().and_then(|m| m.get(META)).cloned();
-    let progress: Progress = serde_json::from_str(&text.with_context(|| format!("{}: not a training state", path.display()))?)?;
+    let progress: Progress =
+        serde_json::from_str(&text.with_context(|| format!("{}: not a training state", path.display()))?)?;
     if progress.settings != settings {
         bail!(
             "{} was saved by a run with other settings; resume with the same flags, or remove it to start over",

@@ -1,0 +1,303 @@
+//! `statecut recover` end to end on the embedded model: the merged output is W + (α/r)·B·A with
+//! every other tensor byte for byte, a seeded run is repeatable and `--resume` continues it
+//! exactly, recovery closes part of the pruning gap, and bad input fails in one line with
+//! nothing written.
+
+mod common;
+
+use common::pruned::{read_json, tensors};
+use common::{embedded_model, repo_file, statecut};
+use half::bf16;
+use std::path::{Path, PathBuf};
+
+/// The embedded model pruned to half its key width, into `dir/pruned`.
+fn pruned(dir: &Path) -> PathBuf {
+    let out = dir.join("pruned");
+    let (code, _, err) = statecut(
+        &[
+            "prune",
+            "-m",
+            embedded_model().to_str().unwrap(),
+            "--method",
+            "l1",
+            "--ratio",
+            "0.5",
+            "-o",
+            out.to_str().unwrap(),
+            "-q",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
+/// Recover `student` into `out` with a small budget and `extra` flags (which win over the
+/// small-budget defaults).
+fn recover(student: &Path, out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let (train, teacher) = (repo_file("assets/train.txt"), embedded_model());
+    let mut args = vec![
+        "recover",
+        "-m",
+        student.to_str().unwrap(),
+        "--teacher",
+        teacher.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ];
+    let defaults = [
+        ("--data", train.to_str().unwrap()),
+        ("--batch-size", "2"),
+        ("--seqlen", "64"),
+        ("--lora-rank", "4"),
+        ("--lr", "2e-3"),
+    ];
+    for (flag, value) in defaults {
+        if !extra.contains(&flag) {
+            args.extend([flag, value]);
+        }
+    }
+    args.extend_from_slice(extra);
+    statecut(&args, &[])
+}
+
+fn bf16s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn merged_output_is_the_base_plus_the_adapters_and_nothing_else_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let student = pruned(tmp.path());
+    let out = tmp.path().join("recovered");
+    let eval = repo_file("assets/eval.txt");
+    let (code, stdout, err) = recover(
+        &student,
+        &out,
+        &[
+            "--steps",
+            "6",
+            "--save-adapters",
+            "--eval",
+            eval.to_str().unwrap(),
+            "--eval-windows",
+            "8",
+            "--eval-seqlen",
+            "128",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("recovered") && stdout.contains("in 6 steps"), "{stdout}");
+    let report = read_json(&out.join("statecut_recover.json"));
+    assert_eq!(report["steps"], 6);
+    assert_eq!(report["history"].as_array().unwrap().len(), 6);
+    let ppl = &report["ppl"];
+    for k in ["teacher", "pruned", "recovered"] {
+        assert!(ppl[k].as_f64().unwrap().is_finite(), "{ppl}");
+    }
+    for f in ["statecut_recover.md", "statecut_recover_loss.svg", "statecut_recipe.toml", "tokenizer.json"] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    assert_eq!(
+        std::fs::read(student.join("config.json")).unwrap(),
+        std::fs::read(out.join("config.json")).unwrap(),
+        "the config changed"
+    );
+
+    let (before, after) = (tensors(&student), tensors(&out));
+    assert_eq!(before.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>());
+    let adapted: Vec<String> =
+        report["trained"]["adapted"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+    let whole: Vec<String> =
+        report["trained"]["whole"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+    assert!(
+        adapted.iter().any(|n| n.ends_with("q_proj.weight")) && adapted.iter().any(|n| n.ends_with("v_proj.weight"))
+    );
+    assert!(whole.iter().any(|n| n.contains("conv1d")), "{whole:?}");
+    for (name, (shape, bytes)) in &before {
+        let (s2, b2) = &after[name];
+        assert_eq!(shape, s2, "{name}");
+        if !adapted.contains(name) && !whole.contains(name) {
+            assert_eq!(bytes, b2, "{name} is not trained but changed");
+        }
+    }
+    // Updates below a bf16 step can round away on a small tensor, but not everywhere.
+    assert!(whole.iter().any(|n| before[n].1 != after[n].1), "no tensor trained whole changed");
+    assert!(adapted.iter().all(|n| before[n].1 != after[n].1), "an adapted tensor did not change");
+
+    // Every adapted tensor is the stored weight plus (alpha / r)·B·A, rounded once to bf16.
+    let adapters = tensors_of(&out.join("adapters/adapter_model.safetensors"));
+    let cfg = read_json(&out.join("adapters/adapter_config.json"));
+    let scale = cfg["lora_alpha"].as_f64().unwrap() / cfg["r"].as_f64().unwrap();
+    assert_eq!(cfg["r"], 4);
+    for name in &adapted {
+        let module = name.strip_suffix(".weight").unwrap();
+        let (a_shape, a) = &adapters[&format!("base_model.model.{module}.lora_A.weight")];
+        let (b_shape, b) = &adapters[&format!("base_model.model.{module}.lora_B.weight")];
+        let (a, b) = (f32s(a), f32s(b));
+        let (r, cols, rows) = (a_shape[0], a_shape[1], b_shape[0]);
+        assert!(b.iter().any(|x| *x != 0.0), "{name}: B never moved");
+        let (shape, base) = &before[name];
+        assert_eq!(shape, &vec![rows, cols]);
+        let (base, merged) = (bf16s(base), bf16s(&after[name].1));
+        for i in 0..rows {
+            for j in 0..cols {
+                let delta: f32 = (0..r).map(|k| b[i * r + k] * a[k * cols + j]).sum::<f32>() * scale as f32;
+                let want = bf16::from_f32(base[i * cols + j] + delta).to_f32();
+                let got = merged[i * cols + j];
+                // One bf16 step of slack for the float32 summation order.
+                assert!((got - want).abs() <= want.abs() * 2f32.powi(-7) + 1e-8, "{name}[{i},{j}]: {got} vs {want}");
+            }
+        }
+    }
+}
+
+fn tensors_of(file: &Path) -> std::collections::BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(n, v)| (n, (v.shape().to_vec(), v.data().to_vec()))).collect()
+}
+
+#[test]
+fn seeded_runs_repeat_and_resume_continues_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let student = pruned(tmp.path());
+    let (whole, split) = (tmp.path().join("whole"), tmp.path().join("split"));
+    let (code, _, err) = recover(&student, &whole, &["--steps", "4", "--seed", "7"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, stdout, err) = recover(&student, &split, &["--steps", "4", "--seed", "7", "--stop-after", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("--resume") && !split.exists(), "{stdout}");
+    let state = tmp.path().join("split.recover-state.safetensors");
+    assert!(state.is_file());
+    // A resume with other settings is refused and keeps the state.
+    let (code, _, err) = recover(&student, &split, &["--steps", "4", "--seed", "8", "--resume"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("other settings"), "{err}");
+    assert!(state.is_file() && !split.exists());
+    let (code, _, err) = recover(&student, &split, &["--steps", "4", "--seed", "7", "--resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!state.exists(), "the training state outlived the run it belonged to");
+    assert_eq!(
+        std::fs::read(whole.join("model.safetensors")).unwrap(),
+        std::fs::read(split.join("model.safetensors")).unwrap(),
+        "a resumed run differs from an uninterrupted one"
+    );
+    let losses = |d: &Path| -> Vec<f64> {
+        read_json(&d.join("statecut_recover.json"))["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect()
+    };
+    assert_eq!(losses(&whole), losses(&split));
+    // Another seed draws other adapters and data.
+    let other = tmp.path().join("other");
+    let (code, _, err) = recover(&student, &other, &["--steps", "4", "--seed", "8"]);
+    assert_eq!(code, 0, "{err}");
+    assert_ne!(
+        std::fs::read(whole.join("model.safetensors")).unwrap(),
+        std::fs::read(other.join("model.safetensors")).unwrap()
+    );
+}
+
+/// Each bad input ends in one line and a non-zero exit, and writes nothing.
+#[test]
+fn bad_input_fails_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let student = pruned(tmp.path());
+    let out = tmp.path().join("out");
+    let short = tmp.path().join("short.txt");
+    std::fs::write(&short, "too short for a batch").unwrap();
+    // A teacher whose MLP differs: not the model the student came from.
+    let other = tmp.path().join("other-teacher");
+    copy_dir(&embedded_model(), &other);
+    let file = other.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let start = header["model.layers.2.mlp.down_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + start] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--steps", "0"], "--steps"),
+        (vec!["--lora-rank", "0"], "--lora-rank"),
+        (vec!["--lora-rank", "300", "--steps", "1"], "above the width"),
+        (vec!["--data", short.to_str().unwrap(), "--steps", "1"], "fewer than one batch"),
+        (vec!["--train", "lora:no_such_tensor", "--steps", "1"], "no_such_tensor"),
+        (vec!["--train", "full:embeddings", "--steps", "1"], "embeddings"),
+        (vec!["--resume", "--steps", "1"], "no saved training state"),
+    ];
+    for (extra, want) in cases {
+        let (code, _, err) = recover(&student, &out, &extra);
+        assert_ne!(code, 0, "{extra:?} succeeded");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: {err}");
+        assert!(!out.exists(), "{extra:?} left an output");
+    }
+    let teacher_cases = [
+        (other.clone(), "model.layers.2.mlp.down_proj.weight differs"),
+        (repo_file("tests/fixtures/sse_gla"), "distil from the model the student was pruned from"),
+    ];
+    let train = repo_file("assets/train.txt");
+    for (teacher, want) in teacher_cases {
+        let args = [
+            "recover",
+            "-m",
+            student.to_str().unwrap(),
+            "--teacher",
+            teacher.to_str().unwrap(),
+            "--data",
+            train.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "-q",
+        ];
+        let (code, _, err) = statecut(&args, &[]);
+        assert_ne!(code, 0);
+        assert!(err.contains(want), "{}: {err}", teacher.display());
+        assert!(!out.exists());
+    }
+    // The same unrelated teacher is accepted when asked for.
+    let (code, _, err) = statecut(
+        &[
+            "recover",
+            "-m",
+            student.to_str().unwrap(),
+            "--teacher",
+            other.to_str().unwrap(),
+            "--data",
+            train.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--seqlen",
+            "32",
+            "--allow-unrelated-teacher",
+            "-q",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.join("model.safetensors").is_file());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
