@@ -10,6 +10,8 @@ const QWEN: &[&str] = &["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_t
 /// Families whose layers run on fla's chunked kernels (transformers' Qwen classes use them when installed).
 const FLA_KERNELS: &[&str] =
     &["delta_net", "gated_deltanet", "sse", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"];
+/// Families whose recurrent layers are Mamba-2 mixers (llama.cpp runs them through GGML_OP_SSM_SCAN).
+const MAMBA2: &[&str] = &["mamba2", "nemotron_h", "granitemoehybrid", "falcon_h1"];
 
 /// What an engine needs of the key width K' (and the value width V).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -23,6 +25,8 @@ pub enum Need {
     EqualsV,
     /// K' = n: kernels tiled for that width only.
     Exactly(usize),
+    /// K' one of the widths a kernel is instantiated for.
+    OneOf(&'static [usize]),
 }
 
 impl Need {
@@ -32,6 +36,7 @@ impl Need {
             Need::PowerOfTwo => k.is_power_of_two(),
             Need::EqualsV => k == v,
             Need::Exactly(n) => k == n,
+            Need::OneOf(ws) => ws.contains(&k),
         }
     }
 
@@ -42,6 +47,7 @@ impl Need {
             Need::PowerOfTwo => 1usize << k.max(1).ilog2(),
             Need::EqualsV => v,
             Need::Exactly(n) => n,
+            Need::OneOf(ws) => ws.iter().copied().filter(|&w| w <= k).max().unwrap_or(0),
         };
         (w > 0 && w <= k).then_some(w)
     }
@@ -52,6 +58,10 @@ impl Need {
             Need::PowerOfTwo => format!("K'={k} is not a power of two"),
             Need::EqualsV => format!("K'={k} differs from V={v}"),
             Need::Exactly(n) => format!("K'={k} is not {n}"),
+            Need::OneOf(ws) => {
+                let ws: Vec<String> = ws.iter().map(|w| w.to_string()).collect();
+                format!("K'={k} is not one of {}", ws.join(", "))
+            }
         }
     }
 }
@@ -106,6 +116,31 @@ pub static RULES: &[Rule] = &[
         why: "FlashInfer's GDN decode and SGLang's CuTe-DSL GDN decode are written around K = 128 tiles \
               (other widths untested: at best padded, at worst rejected)",
         workaround: Some("use the engine's Triton GDN decode where it offers one"),
+    },
+    Rule {
+        model_types: QWEN,
+        engine: "llama.cpp",
+        need: Need::EqualsV,
+        why: "llama.cpp's Qwen3.5 / Qwen3-Next loaders size the value heads from the GGUF's ssm.state_size, which \
+              convert_hf_to_gguf.py writes from linear_key_head_dim (head_v_dim = ssm_d_state), and its delta-net \
+              graph asserts S_k == S_v on a square state: the GGUF does not load (tensor has wrong shape)",
+        workaround: None,
+    },
+    Rule {
+        model_types: &["kimi_linear"],
+        engine: "llama.cpp",
+        need: Need::EqualsV,
+        why: "llama.cpp's Kimi Linear graph uses one head size (n_embd_head_kda) for q, k and v and a square state, \
+              so its GGUF cannot describe K' < V",
+        workaround: None,
+    },
+    Rule {
+        model_types: MAMBA2,
+        engine: "llama.cpp CUDA",
+        need: Need::OneOf(&[128, 256]),
+        why: "llama.cpp's CUDA SSM_SCAN takes Mamba-2 only with d_state 128 or 256 (ggml-cuda.cu supports_op); \
+              other widths run on the CPU op instead: it runs, but slower",
+        workaround: None,
     },
 ];
 
@@ -206,7 +241,8 @@ mod tests {
 
     #[test]
     fn unpruned_widths_hit_nothing() {
-        for mt in ["delta_net", "gated_deltanet", "qwen3_5", "qwen3_next", "mamba2", "sse"] {
+        for mt in ["delta_net", "gated_deltanet", "qwen3_5", "qwen3_next", "mamba2", "nemotron_h", "sse", "kimi_linear"]
+        {
             assert!(notes(mt, 128, 128, 128).warnings.is_empty(), "{mt}");
         }
         // fla's 1.3B GLA / Gated DeltaNet width.
@@ -232,7 +268,7 @@ mod tests {
     #[test]
     fn qwen3_next_power_of_two_and_prefill_backend() {
         let s = notes("qwen3_next", 128, 96, 128);
-        assert_eq!(engines(&s), ["vLLM", "vLLM on Hopper", "FlashInfer/SGLang decode"]);
+        assert_eq!(engines(&s), ["vLLM", "vLLM on Hopper", "FlashInfer/SGLang decode", "llama.cpp"]);
         let m = &s.warnings[0].message;
         assert!(
             m.contains("K'=96 is not a power of two") && m.contains("--round-to 64 gives 64, which vLLM accepts"),
@@ -248,14 +284,62 @@ mod tests {
     #[test]
     fn qwen3_5_power_of_two_width_needs_only_the_backends() {
         let s = notes("qwen3_5_text", 128, 64, 128);
-        assert_eq!(engines(&s), ["vLLM on Hopper", "FlashInfer/SGLang decode"]);
+        assert_eq!(engines(&s), ["vLLM on Hopper", "FlashInfer/SGLang decode", "llama.cpp"]);
         assert!(notes("qwen3_5", 128, 96, 128).warnings.iter().all(|w| w.engine != "vLLM"));
     }
 
     #[test]
-    fn mamba2_and_unknown_types_have_no_rules() {
-        assert!(notes("mamba2", 128, 48, 64).warnings.is_empty());
-        assert!(notes("rwkv7", 64, 32, 64).runs_in.contains("rwkv7"));
+    fn unknown_types_have_no_rules() {
+        let s = notes("rwkv7", 64, 32, 64);
+        assert!(s.warnings.is_empty() && s.runs_in.contains("rwkv7"));
+    }
+
+    #[test]
+    fn llama_cpp_refuses_qwen_and_kimi_below_v() {
+        for mt in QWEN.iter().chain(&["kimi_linear"]) {
+            let s = notes(mt, 128, 96, 128);
+            let w = s.warnings.iter().find(|w| w.engine == "llama.cpp").unwrap_or_else(|| panic!("{mt}"));
+            assert_eq!(w.need, Need::EqualsV);
+            // Pruning only narrows: no width reaches V, and there is no setting to suggest.
+            assert!(
+                w.message.contains("K'=96 differs from V=128") && !w.message.contains("--round-to"),
+                "{}",
+                w.message
+            );
+            assert_eq!(w.round_to, None);
+            assert!(notes(mt, 128, 128, 128).warnings.iter().all(|w| w.engine != "llama.cpp"), "{mt}");
+        }
+        assert!(notes("qwen3_5", 128, 96, 128).warnings.iter().any(|w| w.message.contains("does not load")));
+    }
+
+    #[test]
+    fn llama_cpp_cuda_scan_widths_for_mamba2_mixers() {
+        for mt in MAMBA2 {
+            for k in [128, 256] {
+                assert!(notes(mt, 256, k, 64).warnings.is_empty(), "{mt} {k}");
+            }
+            let s = notes(mt, 128, 96, 64);
+            assert_eq!(engines(&s), ["llama.cpp CUDA"], "{mt}");
+            let m = &s.warnings[0].message;
+            assert!(
+                m.contains("K'=96 is not one of 128, 256") && m.contains("slower") && !m.contains("--round-to"),
+                "{m}"
+            );
+        }
+        // Falcon-H1's 256 pruned to 192: 128 is the widest kernel width below.
+        let s = notes("falcon_h1", 256, 192, 64);
+        assert!(s.warnings[0].message.contains("--round-to 128 gives 128, which llama.cpp CUDA accepts"));
+        assert_eq!(s.warnings[0].round_to, Some(128));
+        // 512 pruned to 300: 256, by rounding down.
+        assert_eq!(notes("mamba2", 512, 300, 64).warnings[0].round_to, Some(256));
+        // Other families never hit it.
+        assert!(notes("gated_deltanet", 256, 96, 256).warnings.iter().all(|w| w.engine != "llama.cpp CUDA"));
+    }
+
+    #[test]
+    fn one_of_serializes_its_widths() {
+        let v = serde_json::to_value(Need::OneOf(&[128, 256])).unwrap();
+        assert_eq!(v, serde_json::json!({"kind": "one_of", "value": [128, 256]}));
     }
 
     #[test]
