@@ -484,7 +484,8 @@ impl Kernel {
         let tracked = [Some(rec.q), Some(rec.k), Some(rec.v), Some(rec.beta), rec.g, rec.gk, rec.initial]
             .into_iter()
             .flatten()
-            .any(Tensor::track_op);
+            .any(Tensor::track_op)
+            && !super::no_gradients();
         let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if tracked {
             Kernel::Chunked
         } else if rec.q.device().is_cpu() {

@@ -53,7 +53,27 @@ pub(crate) fn fusable(inputs: &[&Tensor]) -> bool {
 /// Whether no gradient flows through any of `inputs`: an op without a backward (candle's fused
 /// softmax, RMSNorm, and statecut's own kernels) may run on them.
 pub(crate) fn untracked(inputs: &[&Tensor]) -> bool {
-    !inputs.iter().any(|t| t.track_op())
+    no_gradients() || !inputs.iter().any(|t| t.track_op())
+}
+
+thread_local! {
+    static NO_GRADIENTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside [`without_gradients`].
+pub(crate) fn no_gradients() -> bool {
+    NO_GRADIENTS.with(|c| c.get())
+}
+
+/// Run `f` taking the fast ops (fused kernels without a backward) even on tracked tensors: for a
+/// pass whose outputs are detached before any backward, such as the forward of an activation-
+/// checkpointed step, which only keeps each block's input. A backward through what `f` returns
+/// is wrong; detach it.
+pub fn without_gradients<R>(f: impl FnOnce() -> R) -> R {
+    let before = NO_GRADIENTS.with(|c| c.replace(true));
+    let out = f();
+    NO_GRADIENTS.with(|c| c.set(before));
+    out
 }
 
 /// Softmax over the last dimension. candle's one-kernel `softmax_last_dim` has no backward, so a

@@ -95,7 +95,10 @@ pub fn train_pass(
     let mut h = layered::embed(l, &student.embed, ids, &mut NoObserver)?.detach();
     let mut inputs = Vec::with_capacity(student.blocks.len());
     for (i, blk) in student.blocks.iter().enumerate() {
-        let out = blk.forward(&h, &mut NoObserver, None).with_context(|| format!("layer {i}"))?.detach();
+        // Inference kernels: nothing differentiates this pass, only its recomputation below.
+        let out = crate::ops::without_gradients(|| blk.forward(&h, &mut NoObserver, None))
+            .with_context(|| format!("layer {i}"))?
+            .detach();
         inputs.push(std::mem::replace(&mut h, out));
     }
     // The loss over chunks of rows, each chunk's logits freed before the next.
