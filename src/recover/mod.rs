@@ -14,7 +14,7 @@ pub mod params;
 pub mod plan;
 mod report;
 pub mod shared;
-mod stages;
+pub mod stages;
 pub mod state;
 
 use crate::arch::{family_for, Family, LoadOptions, StateLayout};
@@ -473,7 +473,7 @@ impl Order {
 }
 
 /// Inputs and targets [B, L] of windows of L + 1 tokens.
-pub(crate) fn batch_tensors(batch: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
+pub fn batch_tensors(batch: &[&[u32]], device: &Device) -> Result<(Tensor, Tensor)> {
     let l = batch[0].len() - 1;
     let ids: Vec<u32> = batch.iter().flat_map(|w| w[..l].iter().copied()).collect();
     let targets: Vec<u32> = batch.iter().flat_map(|w| w[1..].iter().copied()).collect();
