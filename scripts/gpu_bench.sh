@@ -39,6 +39,13 @@
 #   grad:NAME             statecut prune --method grad --ratio 0.5 (gradients of the LM loss through the
 #                         backward pass) on GRAD_SAMPLES x 2048 tokens (default 128, several counts with
 #                         spaces; GRAD_BATCH sets --batch-size): wall time, peak GPU memory, stage seconds
+#   recover:NAME          recovery fine-tuning of NAME pruned at 0.5 (drrqr, 8 calibration sequences) from
+#                         the unpruned NAME, RECOVER_STEPS steps (default 6) of RECOVER_BATCH x 2048 tokens
+#                         (default 16): statecut recover, then the recipe in PyTorch + PEFT
+#                         (scripts/recover_reference.py, 2 untimed warm-up steps) with fla's kernels and,
+#                         when those fail (fla 0.6.0 refuses its gated backward on Hopper with Triton
+#                         < 3.7.1), with the plain-PyTorch delta rule and its self-test against fla:
+#                         tokens/s, peak GPU memory, per-step losses
 # PRUNE_SAMPLES sets the calibration sequences of the pruned copies the decode stages time
 # (default 128); GRAPHS=0 skips the CUDA-graph run of speed:NAME.
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
@@ -92,7 +99,7 @@ ensure() {
 for stage in "$@"; do
   name=${stage#*:}
   case $stage in
-    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*|grad:*) ensure "$name" ;;
+    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*|grad:*|recover:*) ensure "$name" ;;
     decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
@@ -230,6 +237,51 @@ PY
         peak "$OUT/passkey_$m.log" $SC eval -m $CK/$m --task passkey --lengths 2048,4096 --samples ${SAMPLES:-8} \
           --filler "$DATA" --device cuda --dtype bf16 --json > "$OUT/passkey_$m.json"
         echo "$m: $(cat "$OUT/passkey_$m.json")"; tail -3 "$OUT/passkey_$m.log"
+      done ;;
+    recover:*)
+      [ -d $CK/$name-rp50 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 8 \
+        --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-rp50 > "$OUT/recover_prune_$name.log" 2>&1
+      rm -rf $CK/$name-recovered
+      peak "$OUT/recover_statecut_$name.log" $SC recover -m $CK/$name-rp50 --teacher $CK/$name --data "$DATA" \
+        --steps ${RECOVER_STEPS:-6} --batch-size ${RECOVER_BATCH:-16} --seqlen 2048 --warmup 0 --device cuda \
+        --dtype bf16 -o $CK/$name-recovered > "$OUT/recover_statecut_${name}_peak.json"
+      cp $CK/$name-recovered/statecut_recover.json "$OUT/recover_statecut_$name.json" 2>/dev/null
+      rm -rf $CK/$name-recovered
+      echo "statecut: $(cat "$OUT/recover_statecut_${name}_peak.json")"
+      python3 - "$OUT/recover_statecut_$name.json" <<'PY'
+import json, os, sys
+if not os.path.exists(sys.argv[1]):
+    sys.exit("no statecut_recover.json: see recover_statecut_*.log")
+r = json.load(open(sys.argv[1]))
+mem = r.get("peak_memory_bytes")
+print(json.dumps({"tokens_per_second": r["tokens_per_second"], "seconds": r["seconds"], "steps": r["steps"],
+                  "trained_params": r["trained"]["params"], "peak_memory_gib": mem and mem / 2**30,
+                  "loss": [round(h["loss"], 4) for h in r["history"]]}))
+PY
+      for k in fla torch; do
+        ref=$OUT/recover_reference_${name}_$k
+        peak "$ref.log" python3 scripts/recover_reference.py --student $CK/$name-rp50 --teacher $CK/$name --kernel $k \
+          --batch ${RECOVER_BATCH:-16} --steps ${RECOVER_STEPS:-6} --json "$ref.json" > "${ref}_peak.json"
+        echo "reference $k: $(cat "${ref}_peak.json")"
+        python3 - "$ref.json" <<'PY'
+import json, os, sys
+if not os.path.exists(sys.argv[1]):
+    sys.exit("no JSON: see the log")
+r = json.load(open(sys.argv[1]))
+keys = ["error"] if "error" in r else ["tokens_per_second", "tokens_per_second_all_steps", "seconds_per_step",
+        "peak_memory_allocated_gib", "peak_memory_reserved_gib", "trainable_params", "checkpointing"]
+out = {k: r.get(k) for k in keys}
+if "history" in r:
+    out["loss"] = [round(h["loss"], 4) for h in r["history"]]
+print(json.dumps(out))
+PY
+        if [ $k = torch ]; then
+          python3 scripts/recover_reference.py --self-test --device cuda --json "$OUT/recover_reference_selftest.json" \
+            > "$OUT/recover_reference_selftest.log" 2>&1
+          echo "self-test rc $?: $(tail -1 "$OUT/recover_reference_selftest.log")"
+        fi
+        # fla's kernels ran the whole fine-tune: the plain-PyTorch rule is not needed
+        python3 -c 'import json, sys; sys.exit("error" in json.load(open(sys.argv[1])))' "$ref.json" 2>/dev/null && break
       done ;;
     *) echo "unknown stage $stage" ;;
   esac
