@@ -19,8 +19,16 @@ pub struct Stages {
     head: Head,
 }
 
-/// Bytes of float32 logits (and their softmax intermediates) one loss chunk may hold.
-const CHUNK_LOGIT_BYTES: usize = 256 << 20;
+/// Bytes of float32 logits (and their softmax intermediates) one loss chunk may hold: small on
+/// the CPU, larger on a GPU, where a few hundred rows against a 248k vocabulary would leave the
+/// head's matmuls too thin to fill it.
+fn chunk_logit_bytes(device: &candle_core::Device) -> usize {
+    if device.is_cpu() {
+        256 << 20
+    } else {
+        4 << 30
+    }
+}
 
 impl Stages {
     pub fn load(layers: Box<dyn Layers>) -> Result<Self> {
@@ -53,8 +61,8 @@ impl Stages {
     }
 
     /// Token rows per loss chunk for a vocabulary of `vocab`.
-    fn chunk_rows(vocab: usize) -> usize {
-        (CHUNK_LOGIT_BYTES / (vocab.max(1) * 4 * 6)).max(1)
+    fn chunk_rows(&self, vocab: usize) -> usize {
+        (chunk_logit_bytes(self.layers.device()) / (vocab.max(1) * 4 * 6)).max(1)
     }
 }
 
@@ -106,7 +114,7 @@ pub fn train_pass(
     let rows = h.reshape((b * t, d))?;
     let t_rows = t_hidden.map(|th| th.reshape((b * t, d))).transpose()?;
     let targets = targets.flatten_all()?;
-    let step = Stages::chunk_rows(student.head.lm_head.weight().dim(0)?);
+    let step = student.chunk_rows(student.head.lm_head.weight().dim(0)?);
     let mut parts = Parts::default();
     let mut g_rows = Vec::new();
     for start in (0..b * t).step_by(step) {
