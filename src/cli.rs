@@ -22,7 +22,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Perplexity on a text file over fixed windows.
+    /// Perplexity on a text file over fixed windows, LAMBADA last-word accuracy, or recall.
     Eval(EvalArgs),
     /// Stable rank, utilization and conditioning of the recurrent state per layer and head.
     Inspect(InspectArgs),
@@ -84,24 +84,30 @@ pub struct EvalArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub memory: MemoryArgs,
-    /// Evaluation text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text).
+    /// Evaluation text: .jsonl, .txt, .parquet, or a hub dataset id (default: built-in text;
+    /// lambada needs it: one passage per document).
     #[arg(long)]
     pub data: Option<String>,
     #[arg(long, default_value = "text")]
     pub text_column: String,
-    /// Tokens predicted per window.
+    /// Tokens predicted per window; lambada: the most tokens read per document (longer contexts
+    /// are cut from the left).
     #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
     pub seqlen: usize,
-    /// Maximum number of windows.
+    /// Maximum number of windows (ppl).
     #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
     pub windows: usize,
-    /// Windows per forward pass.
+    /// lambada: score only the first N documents [default: all].
+    #[arg(long, value_parser = COUNT.parser())]
+    pub limit: Option<usize>,
+    /// Windows (lambada: documents) per forward pass.
     #[arg(long, default_value_t = 1, value_parser = BATCH.parser())]
     pub batch_size: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// What to measure: ppl (perplexity on --data), mqar or passkey (recall; see --pairs, --lengths).
+    /// What to measure: ppl (perplexity on --data), lambada (last-word accuracy on --data, as
+    /// lm-eval's lambada_openai), mqar or passkey (recall; see --pairs, --lengths).
     #[arg(long, default_value = "ppl")]
     pub task: String,
     #[command(flatten)]

@@ -109,8 +109,13 @@ pub fn sequences(tok: &TextTokenizer, src: &TextSource, n: usize, seqlen: usize,
 
 pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
     let quiet = quiet || args.json;
-    if args.task != "ppl" {
-        return recall(args, quiet);
+    if args.limit.is_some() && args.task != "lambada" {
+        anyhow::bail!("--limit counts lambada documents; for --task {} use --windows (ppl) or --samples", args.task);
+    }
+    match args.task.as_str() {
+        "ppl" => {}
+        "lambada" => return lambada(args, quiet),
+        _ => return recall(args, quiet),
     }
     let src = TextSource::parse(args.data.as_deref(), &args.text_column)?;
     let m = load_with(&args.model, &args.memory, false, quiet)?;
@@ -128,9 +133,69 @@ pub fn eval(args: &EvalArgs, quiet: bool) -> Result<()> {
     Ok(())
 }
 
+/// `eval --task lambada`: the documents are read and split before the model loads, so that a
+/// file with nothing to score fails at once.
+fn lambada(args: &EvalArgs, quiet: bool) -> Result<()> {
+    let Some(data) = args.data.as_deref() else {
+        anyhow::bail!(
+            "--task lambada needs --data FILE: LAMBADA passages, e.g. a .jsonl with one {{\"text\": ...}} per line"
+        );
+    };
+    let src = TextSource::parse(Some(data), &args.text_column)?;
+    let texts: Vec<String> = src.documents()?.take(args.limit.unwrap_or(usize::MAX)).collect::<Result<_>>()?;
+    if !texts.iter().any(|t| crate::lambada::split(t).is_some()) {
+        anyhow::bail!(
+            "{data}: none of its {} documents has a last word to predict (text, a space, then the word); \
+             pass LAMBADA-style passages and name their field with --text-column (now \"{}\")",
+            texts.len(),
+            args.text_column
+        );
+    }
+    let m = load_with(&args.model, &args.memory, false, quiet)?;
+    let set = crate::lambada::prepare(&m.tokenizer, &texts, args.seqlen)?;
+    if set.docs.is_empty() {
+        anyhow::bail!("{data}: no document's last word fits in --seqlen {} tokens; raise --seqlen", args.seqlen);
+    }
+    let r = crate::lambada::evaluate(m.model.as_ref(), &set, args.batch_size, m.tokenizer.eos, quiet)?;
+    if !quiet {
+        lambada_warnings(&r, texts.len(), args.seqlen);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "lambada accuracy {:.4} ({} / {}), ppl {:.4} ({} target tokens, {:.1} s)",
+        r.accuracy, r.correct, r.total, r.ppl, r.target_tokens, r.seconds
+    );
+    Ok(())
+}
+
+fn lambada_warnings(r: &crate::lambada::LambadaResult, read: usize, seqlen: usize) {
+    if r.skipped > 0 {
+        eprintln!(
+            "warning: skipped {} of {read} documents with no last word to predict (no space after some text)",
+            r.skipped
+        );
+    }
+    if r.long_target > 0 {
+        eprintln!(
+            "warning: skipped {} documents whose last word is longer than --seqlen {seqlen} tokens",
+            r.long_target
+        );
+    }
+    if r.truncated > 0 {
+        eprintln!(
+            "warning: {} documents are longer than --seqlen {seqlen} tokens; their context was cut from the left",
+            r.truncated
+        );
+    }
+}
+
 /// `eval --task mqar|passkey`.
 fn recall(args: &EvalArgs, quiet: bool) -> Result<()> {
-    let task: crate::recall::Task = args.task.parse().map_err(|e| anyhow::anyhow!("--task: {e:#} (or ppl)"))?;
+    let task: crate::recall::Task =
+        args.task.parse().map_err(|e| anyhow::anyhow!("--task: {e:#} (or ppl, lambada)"))?;
     let dir = crate::hub::resolve_model(&args.model.model, &args.model.revision)?;
     let config = Checkpoint::open(&dir)?.config;
     let vocab = crate::recall::vocab_size(&config).context("config.json has no vocab_size")?;

@@ -193,6 +193,12 @@ impl TextTokenizer {
         Ok(self.tok.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
     }
 
+    /// Token ids of `text` with the special tokens the tokenizer adds by default (a BOS for
+    /// Llama-style tokenizers, nothing for byte-level BPE ones), as transformers encodes by default.
+    pub fn encode_special(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.tok.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?.get_ids().to_vec())
+    }
+
     /// The text of token ids (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.tok.decode(ids, true).map_err(|e| anyhow::anyhow!("detokenizing: {e}"))

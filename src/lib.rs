@@ -2,7 +2,7 @@
 //!
 //! The library is organised by job: `hub`/`checkpoint` find and open weights, `arch` holds one
 //! adapter per model family behind [`arch::Family`], `ops` holds the math shared by families,
-//! `calib`/`select`/`surgery` implement pruning, and `eval`/`inspect` measure models.
+//! `calib`/`select`/`surgery` implement pruning, and `eval`/`lambada`/`recall`/`inspect` measure models.
 
 pub mod arch;
 pub mod bench;
@@ -19,6 +19,7 @@ pub mod graph_decode;
 pub mod guard;
 pub mod hub;
 pub mod inspect;
+pub mod lambada;
 pub mod layers;
 pub mod linalg;
 pub mod ops;
