@@ -188,6 +188,19 @@ def skipped(name):
     return "embed" in name or name.startswith("lm_head") or name.endswith("lm_head.weight")
 
 
+def put_grad(tensors, name, g):
+    """`grad.NAME`, and for a matrix of more than FULL_LIMIT elements only its sampled rows, listed
+    in `rows.NAME`."""
+    g = g.detach().float()
+    if g.numel() > FULL_LIMIT:
+        g2 = g.reshape(-1, g.shape[-1])
+        stride = math.ceil(g2.shape[0] / MAX_ROWS)
+        rows = torch.arange(0, g2.shape[0], stride)
+        tensors[f"rows.{name}"] = rows.to(torch.int64)
+        g = g2[rows]
+    tensors[f"grad.{name}"] = g.contiguous()
+
+
 def make(name, shared, out):
     d = model_dir(name, shared)
     torch.manual_seed(0)
@@ -207,15 +220,7 @@ def make(name, shared, out):
         if pname not in names or p.grad is None:
             left_out.append(pname)
             continue
-        pname = names[pname]
-        g = p.grad.detach().float()
-        if g.numel() > FULL_LIMIT:
-            g2 = g.reshape(-1, g.shape[-1])
-            stride = math.ceil(g2.shape[0] / MAX_ROWS)
-            rows = torch.arange(0, g2.shape[0], stride)
-            tensors[f"rows.{pname}"] = rows.to(torch.int64)
-            g = g2[rows]
-        tensors[f"grad.{pname}"] = g.contiguous()
+        put_grad(tensors, names[pname], p.grad)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{name}.safetensors")
     save_file(tensors, path, metadata={"model": name, "tokens": str(ids.shape[1]), "torch": torch.__version__})

@@ -230,6 +230,10 @@ pub fn relate(
     Ok(rel)
 }
 
+/// A sliced tensor's stored bytes in the student and the teacher, the bytes of one row, and the
+/// teacher's row count.
+type SlicedBytes = (Vec<u8>, Vec<u8>, usize, usize);
+
 /// The teacher channels of each key head that the student's channels are, found by their
 /// stored rows across every slice of the layer; the rows outside the slices must be equal too.
 fn kept_channels(
@@ -244,7 +248,7 @@ fn kept_channels(
     if s_l.slices.len() != t_l.slices.len() || s_l.key_heads != t_l.key_heads {
         bail!("the student's key heads or slices differ from the teacher's");
     }
-    let mut tensors: BTreeMap<&str, (Vec<u8>, Vec<u8>, usize, usize)> = BTreeMap::new();
+    let mut tensors: BTreeMap<&str, SlicedBytes> = BTreeMap::new();
     for s in &s_l.slices {
         if !tensors.contains_key(s.tensor.as_str()) {
             let (sb, tb) = (s_bytes.bytes(&s.tensor)?, t_bytes.bytes(&s.tensor)?);
@@ -252,7 +256,7 @@ fn kept_channels(
             let t_rows = t_l.slices.iter().find(|t| t.tensor == s.tensor).map(|_| ());
             t_rows.with_context(|| format!("the teacher does not slice {}", s.tensor))?;
             let row = sb.len() / s_rows;
-            let t_n = if row == 0 { 0 } else { tb.len() / row };
+            let t_n = tb.len().checked_div(row).unwrap_or(0);
             tensors.insert(&s.tensor, (sb, tb, row, t_n));
         }
     }
@@ -291,7 +295,7 @@ fn kept_channels(
             }
             (0..n).filter(|r| !inside.contains(r)).collect()
         };
-        let s_n = if *row == 0 { 0 } else { sb.len() / row };
+        let s_n = sb.len().checked_div(*row).unwrap_or(0);
         let (so, to) = (outside(s_l, s_dk, s_n), outside(t_l, t_dk, *t_n));
         let differs = so.len() != to.len()
             || so.iter().zip(&to).any(|(a, b)| sb[a * row..(a + 1) * row] != tb[b * row..(b + 1) * row]);

@@ -18,7 +18,7 @@ fn mean_loss(logits: &Tensor, ids: &Tensor) -> Tensor {
 }
 
 /// The rows the golden kept of a gradient (all of them without `rows.NAME`), as a flat vector.
-fn sampled(g: &Tensor, rows: Option<&Tensor>) -> Vec<f32> {
+pub fn sampled(g: &Tensor, rows: Option<&Tensor>) -> Vec<f32> {
     let g = g.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
     let g = match rows {
         Some(r) => {
@@ -31,7 +31,7 @@ fn sampled(g: &Tensor, rows: Option<&Tensor>) -> Vec<f32> {
 }
 
 /// PyTorch's loss and gradients for `name` (`tests/fixtures/grad/NAME.safetensors`).
-fn reference(name: &str) -> HashMap<String, Tensor> {
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
     let path = super::repo_file(&format!("tests/fixtures/grad/{name}.safetensors"));
     candle_core::safetensors::load(path, &Device::Cpu).unwrap()
 }
