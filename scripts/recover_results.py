@@ -6,7 +6,7 @@ Markdown table (and writes every run's report under --out).
 
 Usage: python3 scripts/recover_results.py [--shared ../shared] [--bin target/release/statecut]
            [--models gdn-moby,gated_deltanet] [--methods drrqr,grad] [--ratios 0.5,0.75]
-           [--steps 60] [--batch 4] [--seqlen 256]
+           [--steps 60] [--batch 4] [--seqlen 256] [--lr 1e-4]
 Training text: shared/data/calib/wiki.jsonl (the embedded model: assets/train.txt);
 evaluation: shared/data/eval/wiki.jsonl (assets/eval.txt), disjoint from it.
 """
@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--steps", default="60")
     ap.add_argument("--batch", default="4")
     ap.add_argument("--seqlen", default="256")
+    ap.add_argument("--lr", default="1e-4")
     ap.add_argument("--eval-windows", default="32")
     ap.add_argument("--eval-seqlen", default="512")
     ap.add_argument("--out", default="results/recover")
@@ -50,7 +51,7 @@ def main():
             mdir = os.path.join(a.shared, "models", m)
             train = os.path.join(a.shared, "data", "calib", "wiki.jsonl")
             evalf = os.path.join(a.shared, "data", "eval", "wiki.jsonl")
-        budget = ["--steps", a.steps, "--batch-size", a.batch, "--seqlen", a.seqlen, "--data", train,
+        budget = ["--steps", a.steps, "--batch-size", a.batch, "--seqlen", a.seqlen, "--lr", a.lr, "--data", train,
                   "--eval", evalf, "--eval-windows", a.eval_windows, "--eval-seqlen", a.eval_seqlen, "-q"]
         # The control: the unpruned model, the same recipe and budget, its own teacher.
         ctrl = os.path.join(a.out, f"{m}-control")

@@ -280,6 +280,7 @@ impl<'a> Job<'a> {
         let last = args.stop_after.map_or(self.steps, |s| s.min(self.steps));
         while progress.step < last {
             let step = progress.step;
+            let step_start = Instant::now();
             let lr = optim::learning_rate(step, self.steps, warmup, args.lr, args.min_lr_ratio);
             params.refresh()?;
             let mut acc = HashMap::new();
@@ -301,15 +302,6 @@ impl<'a> Job<'a> {
             if skipped {
                 bad_run += 1;
                 if bad_run >= args.max_bad_steps {
-                    progress.history.push(StepLog {
-                        step: step + 1,
-                        loss,
-                        ce: parts.ce / n,
-                        kd: 0.0,
-                        lr,
-                        grad_norm: norm,
-                        skipped,
-                    });
                     bail!(
                         "step {}: {bad_run} steps in a row had a non-finite loss or gradient; stopping (the last saved state, if any, is {}); try a lower --lr",
                         step + 1,
@@ -330,6 +322,7 @@ impl<'a> Job<'a> {
                 lr,
                 grad_norm: norm,
                 skipped,
+                seconds: step_start.elapsed().as_secs_f64(),
             });
             progress.step += 1;
             progress.adam_t = opt.t;

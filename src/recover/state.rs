@@ -22,6 +22,9 @@ pub struct StepLog {
     pub grad_norm: f64,
     /// The step was skipped: its loss or gradient was not finite.
     pub skipped: bool,
+    /// Wall time of the step.
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 /// What a state file records besides the tensors.
