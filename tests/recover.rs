@@ -235,7 +235,10 @@ fn bad_input_fails_cleanly() {
         (vec!["--train", "full:embeddings", "--steps", "1"], "embeddings"),
         (vec!["--resume", "--steps", "1"], "no saved training state"),
         // Weights blown up by an absurd rate: every step is skipped, then the run stops.
-        (vec!["--lr", "1e6", "--warmup", "0", "--max-bad-steps", "2", "--steps", "12"], "2 steps in a row had a non-finite loss"),
+        (
+            vec!["--lr", "1e6", "--warmup", "0", "--max-bad-steps", "2", "--steps", "12"],
+            "2 steps in a row had a non-finite loss",
+        ),
     ];
     for (extra, want) in cases {
         let (code, _, err) = recover(&student, &out, &extra);

@@ -143,6 +143,9 @@ impl<'a> Job<'a> {
                 eprintln!("warning: --eval is the training text; the recovered perplexity will flatter the model");
             }
         }
+        if !quiet {
+            eprintln!("checking that the student is a pruned copy of the teacher (reads both checkpoints once)");
+        }
         let relation = shared::relate(
             &teacher.ckpt,
             &teacher.layout,

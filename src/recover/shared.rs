@@ -253,8 +253,9 @@ fn kept_channels(
         if !tensors.contains_key(s.tensor.as_str()) {
             let (sb, tb) = (s_bytes.bytes(&s.tensor)?, t_bytes.bytes(&s.tensor)?);
             let s_rows = student.info(&s.tensor)?.shape[0].max(1);
-            let t_rows = t_l.slices.iter().find(|t| t.tensor == s.tensor).map(|_| ());
-            t_rows.with_context(|| format!("the teacher does not slice {}", s.tensor))?;
+            if !t_l.slices.iter().any(|t| t.tensor == s.tensor) {
+                bail!("the teacher does not slice {}", s.tensor);
+            }
             let row = sb.len() / s_rows;
             let t_n = tb.len().checked_div(row).unwrap_or(0);
             tensors.insert(&s.tensor, (sb, tb, row, t_n));
