@@ -506,6 +506,16 @@ pub fn merged(
     Ok(out)
 }
 
+/// The module name PEFT finds under `AutoModelForCausalLM`: multimodal wrappers (Qwen3.5) store
+/// the text model under `model.language_model.`, which transformers' causal-LM class loads as
+/// `model.` (its `language_model` prefix change), so the adapters are named that way too.
+fn peft_module(module: &str) -> String {
+    match module.strip_prefix("model.language_model.") {
+        Some(rest) => format!("model.{rest}"),
+        None => module.to_string(),
+    }
+}
+
 /// The adapters in PEFT's layout: `base_model.model.<module>.lora_A.weight` [r, in] and
 /// `lora_B.weight` [out, r] (float32), with the config PEFT reads.
 fn write_adapters(
@@ -518,7 +528,7 @@ fn write_adapters(
     let mut tensors = Vec::new();
     let mut modules = Vec::new();
     for (name, a, b) in params.adapters()? {
-        let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        let module = peft_module(name.strip_suffix(".weight").unwrap_or(&name));
         tensors.push((format!("base_model.model.{module}.lora_A.weight"), a));
         tensors.push((format!("base_model.model.{module}.lora_B.weight"), b));
         modules.push(module);
