@@ -363,6 +363,12 @@ impl<'a> Job<'a> {
             &self.staged.tmp,
         )?;
         if args.save_adapters {
+            let whole = self.plan.values().filter(|h| **h == plan::How::Full).count();
+            if whole > 0 && !quiet {
+                eprintln!(
+                    "note: OUT/adapters holds the adapters only; the {whole} tensors trained whole are in the merged checkpoint (select adapters alone with --train lora:PATTERN for a PEFT-only equivalent)"
+                );
+            }
             write_adapters(&self.staged.tmp.join("adapters"), &params, args, &self.student.ckpt)?;
         }
         let out = Checkpoint::open(&self.staged.tmp)?;
