@@ -33,9 +33,14 @@ fn pruned(dir: &Path) -> PathBuf {
 }
 
 /// Recover `student` into `out` with a small budget and `extra` flags (which win over the
-/// small-budget defaults).
+/// small-budget defaults), distilled from the embedded model.
 fn recover(student: &Path, out: &Path, extra: &[&str]) -> (i32, String, String) {
-    let (train, teacher) = (repo_file("assets/train.txt"), embedded_model());
+    recover_from(student, &embedded_model(), out, extra)
+}
+
+/// [`recover`] with another teacher.
+fn recover_from(student: &Path, teacher: &Path, out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let train = repo_file("assets/train.txt");
     let mut args = vec![
         "recover",
         "-m",
@@ -251,49 +256,18 @@ fn bad_input_fails_cleanly() {
         (other.clone(), "model.layers.2.mlp.down_proj.weight differs"),
         (repo_file("tests/fixtures/sse_gla"), "distil from the model the student was pruned from"),
     ];
-    let train = repo_file("assets/train.txt");
     for (teacher, want) in teacher_cases {
-        let args = [
-            "recover",
-            "-m",
-            student.to_str().unwrap(),
-            "--teacher",
-            teacher.to_str().unwrap(),
-            "--data",
-            train.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--steps",
-            "1",
-            "-q",
-        ];
-        let (code, _, err) = statecut(&args, &[]);
+        let (code, _, err) = recover_from(&student, &teacher, &out, &["--steps", "1"]);
         assert_ne!(code, 0);
         assert!(err.contains(want), "{}: {err}", teacher.display());
         assert!(!out.exists());
     }
     // The same unrelated teacher is accepted when asked for.
-    let (code, _, err) = statecut(
-        &[
-            "recover",
-            "-m",
-            student.to_str().unwrap(),
-            "--teacher",
-            other.to_str().unwrap(),
-            "--data",
-            train.to_str().unwrap(),
-            "-o",
-            out.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--batch-size",
-            "1",
-            "--seqlen",
-            "32",
-            "--allow-unrelated-teacher",
-            "-q",
-        ],
-        &[],
+    let (code, _, err) = recover_from(
+        &student,
+        &other,
+        &out,
+        &["--steps", "1", "--batch-size", "1", "--seqlen", "32", "--allow-unrelated-teacher"],
     );
     assert_eq!(code, 0, "{err}");
     assert!(out.join("model.safetensors").is_file());

@@ -7,12 +7,13 @@
 mod common;
 
 use candle_core::{DType, Tensor, Var};
+use statecut::arch::layered::Resident;
 use statecut::arch::trainable::{Selector, Trainable};
 use statecut::arch::{family_for, LoadOptions};
 use statecut::checkpoint::Checkpoint;
 use statecut::recover::loss::KdConfig;
 use statecut::recover::plan::plan;
-use statecut::recover::stages::{train_pass, Stages};
+use statecut::recover::stages::train_pass;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
@@ -54,13 +55,13 @@ fn recovery_loss_and_gradients_match_pytorch() {
     assert_eq!(plan.keys().cloned().collect::<BTreeSet<_>>(), golden, "the plan is not the golden's tensors");
 
     let teacher =
-        Stages::load(family.layers(&t_ckpt, &opts, t_ckpt.var_builder(opts.dtype, &opts.device).unwrap()).unwrap())
+        Resident::load(family.layers(&t_ckpt, &opts, t_ckpt.var_builder(opts.dtype, &opts.device).unwrap()).unwrap())
             .unwrap();
     let set = Trainable::default();
     let names: Arc<BTreeSet<String>> = Arc::new(plan.keys().cloned().collect());
     let select: Selector = Arc::new(move |n: &str| names.contains(n));
     let weights = set.wrap(s_ckpt.var_builder(opts.dtype, &opts.device).unwrap(), select);
-    let student = Stages::load(family.layers(&s_ckpt, &opts, weights).unwrap()).unwrap();
+    let student = Resident::load(family.layers(&s_ckpt, &opts, weights).unwrap()).unwrap();
     let vars: Vec<(String, Var)> = set.vars().into_iter().collect();
     assert_eq!(vars.len(), golden.len(), "the student reads {} of the plan's {} tensors", vars.len(), golden.len());
 

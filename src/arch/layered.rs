@@ -98,12 +98,13 @@ pub fn run_block(
     Ok(h)
 }
 
-/// Every stage loaded: the model of a run whose weights fit on the device.
+/// Every stage loaded: the model of a run whose weights fit on the device. Training
+/// (`crate::recover::stages`) drives its stages one at a time.
 pub struct Resident {
-    layers: Box<dyn Layers>,
-    embed: Embedding,
-    blocks: Vec<Box<dyn Block>>,
-    head: Head,
+    pub(crate) layers: Box<dyn Layers>,
+    pub(crate) embed: Embedding,
+    pub(crate) blocks: Vec<Box<dyn Block>>,
+    pub(crate) head: Head,
     vars: Vec<(String, Var)>,
 }
 

@@ -93,6 +93,8 @@ struct Job<'a> {
     staged: Staged,
     state_path: PathBuf,
     recipe: Recipe,
+    data: TextSource,
+    eval: Option<TextSource>,
 }
 
 pub fn run(args: &RecoverArgs, quiet: bool) -> Result<()> {
@@ -136,9 +138,9 @@ impl<'a> Job<'a> {
             );
         }
         // The texts must parse before the long checks.
-        TextSource::parse(Some(&args.data), &args.text_column)?;
+        let data = TextSource::parse(Some(&args.data), &args.text_column)?;
+        let eval = args.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
         if let Some(e) = &args.eval {
-            TextSource::parse(Some(e), "text")?;
             if e == &args.data && !quiet {
                 eprintln!("warning: --eval is the training text; the recovered perplexity will flatter the model");
             }
@@ -185,7 +187,7 @@ impl<'a> Job<'a> {
             dtype: format!("{:?}", args.model.dtype).to_lowercase(),
             command: command_of(args, steps),
         };
-        Ok(Self { args, student, teacher, family, relation, plan, steps, staged, state_path, recipe })
+        Ok(Self { args, student, teacher, family, relation, plan, steps, staged, state_path, recipe, data, eval })
     }
 
     fn execute(self, quiet: bool) -> Result<()> {
@@ -199,8 +201,7 @@ impl<'a> Job<'a> {
 
         // Training windows of seqlen + 1 tokens: the model reads the first seqlen and predicts the last.
         let want = self.steps * args.grad_accum * args.batch_size;
-        let src = TextSource::parse(Some(&args.data), &args.text_column)?;
-        let tokens = tok.stream(src.documents()?, want.saturating_mul(args.seqlen).saturating_add(1))?;
+        let tokens = tok.stream(self.data.documents()?, want.saturating_mul(args.seqlen).saturating_add(1))?;
         let train = windows(&tokens, args.seqlen, want);
         if train.len() < args.batch_size {
             bail!(
@@ -222,18 +223,10 @@ impl<'a> Job<'a> {
         }
         let eval = self.eval_windows(&tok)?;
         let eval_wins = eval.as_ref().map(|t| windows(t, args.eval_seqlen, args.eval_windows));
-        let before = match &eval_wins {
-            Some(w) => Some((
-                self.ppl(&self.teacher.ckpt, &opts, w, "teacher", quiet)?,
-                self.ppl(&self.student.ckpt, &opts, w, "pruned", quiet)?,
-            )),
-            None => None,
-        };
-
         // One copy of the weights: the teacher's tensors pooled, the student reusing them.
         let pool = shared::Pool::default();
         let t_weights = pool.recording(self.teacher.ckpt.var_builder(dtype, &device)?);
-        let teacher = stages::Stages::load(
+        let teacher = crate::arch::layered::Resident::load(
             self.family.layers(&self.teacher.ckpt, &opts, t_weights).context("loading the teacher")?,
         )?;
         let set = crate::arch::trainable::Trainable::keeping_bases();
@@ -243,13 +236,21 @@ impl<'a> Job<'a> {
             pool.reusing(self.student.ckpt.var_builder(dtype, &device)?, Arc::new(self.relation.same.clone())),
             select,
         );
-        let student = stages::Stages::load(
+        let student = crate::arch::layered::Resident::load(
             self.family.layers(&self.student.ckpt, &opts, s_weights).context("loading the student")?,
         )?;
-        let embed = student.layers().embed_name();
+        let embed = student.layers.embed_name();
         if self.plan.contains_key(&embed) {
             bail!("--train selects the embeddings ({embed}), which recovery keeps frozen");
         }
+        // The training models themselves, before any step: the student's variables still hold
+        // the pruned weights, and nothing is differentiated.
+        let before = match &eval_wins {
+            Some(w) => Some(crate::ops::without_gradients(|| -> Result<_> {
+                Ok((ppl(&teacher, w, "teacher", quiet)?, ppl(&student, w, "pruned", quiet)?))
+            })?),
+            None => None,
+        };
         let mut params = params::ParamSet::new(&self.plan, &set, args.lora_rank, args.lora_alpha, args.seed)?;
         let cfg = optim::AdamWConfig { weight_decay: args.weight_decay, beta1: BETAS.0, beta2: BETAS.1, eps: EPS };
         let mut opt = optim::AdamW::new(cfg, &params.values)?;
@@ -373,7 +374,10 @@ impl<'a> Job<'a> {
         }
         let out = Checkpoint::open(&self.staged.tmp)?;
         let recovered = match &eval_wins {
-            Some(w) => Some(self.ppl(&out, &opts, w, "recovered", quiet)?),
+            Some(w) => {
+                let model = self.family.load(&out, &opts).context("reloading the recovered model")?;
+                Some(ppl(model.as_ref(), w, "recovered", quiet)?)
+            }
             None => None,
         };
         let (peak, _) = crate::stream::peak_memory(&device);
@@ -428,25 +432,23 @@ impl<'a> Job<'a> {
     }
 
     fn eval_windows(&self, tok: &TextTokenizer) -> Result<Option<Vec<u32>>> {
-        let Some(e) = &self.args.eval else { return Ok(None) };
+        let (Some(src), Some(e)) = (&self.eval, &self.args.eval) else { return Ok(None) };
         let (n, l) = (self.args.eval_windows, self.args.eval_seqlen);
-        let tokens = tok.stream(TextSource::parse(Some(e), "text")?.documents()?, n * l + 1)?;
+        let tokens = tok.stream(src.documents()?, n * l + 1)?;
         if windows(&tokens, l, n).is_empty() {
             bail!("--eval {e}: shorter than one window of {l} tokens; use a longer text or a smaller --eval-seqlen");
         }
         Ok(Some(tokens))
     }
+}
 
-    /// Perplexity of one checkpoint, loaded for the occasion and dropped.
-    fn ppl(&self, ckpt: &Checkpoint, opts: &LoadOptions, wins: &[&[u32]], what: &str, quiet: bool) -> Result<f64> {
-        let model = self.family.load(ckpt, opts).with_context(|| format!("loading the {what} model"))?;
-        let r = crate::eval::perplexity(model.as_ref(), wins, 1, quiet)
-            .with_context(|| format!("evaluating the {what} model"))?;
-        if !quiet {
-            eprintln!("{what}: ppl {:.4}", r.ppl);
-        }
-        Ok(r.ppl)
+/// Perplexity of `model` on `wins`, said as `what`.
+fn ppl(model: &dyn crate::arch::CausalLm, wins: &[&[u32]], what: &str, quiet: bool) -> Result<f64> {
+    let r = crate::eval::perplexity(model, wins, 1, quiet).with_context(|| format!("evaluating the {what} model"))?;
+    if !quiet {
+        eprintln!("{what}: ppl {:.4}", r.ppl);
     }
+    Ok(r.ppl)
 }
 
 /// The order training reads the windows in: a new permutation per pass over them, drawn from

@@ -19,32 +19,47 @@ pub struct Pool(Arc<Mutex<HashMap<String, Tensor>>>);
 impl Pool {
     /// `weights`, with every tensor read through it added to the pool.
     pub fn recording(&self, weights: VarBuilder<'static>) -> VarBuilder<'static> {
-        let (dtype, device) = (weights.dtype(), weights.device().clone());
-        VarBuilder::from_backend(Box::new(Recording { inner: weights, pool: self.clone() }), dtype, device)
+        self.wrap(weights, None)
     }
 
     /// `weights`, reading the tensors named in `same` from the pool where they are there.
     pub fn reusing(&self, weights: VarBuilder<'static>, same: Arc<BTreeSet<String>>) -> VarBuilder<'static> {
-        let (dtype, device) = (weights.dtype(), weights.device().clone());
-        VarBuilder::from_backend(Box::new(Reusing { inner: weights, pool: self.clone(), same }), dtype, device)
+        self.wrap(weights, Some(same))
     }
 
-    fn get(&self, name: &str, shape: &Shape, dtype: DType) -> Option<Tensor> {
-        let pool = self.0.lock().expect("weight pool poisoned");
-        pool.get(name).filter(|t| t.shape() == shape && t.dtype() == dtype).cloned()
-    }
-
-    fn put(&self, name: &str, t: &Tensor) {
-        self.0.lock().expect("weight pool poisoned").insert(name.to_string(), t.clone());
+    fn wrap(&self, inner: VarBuilder<'static>, reuse: Option<Arc<BTreeSet<String>>>) -> VarBuilder<'static> {
+        let (dtype, device) = (inner.dtype(), inner.device().clone());
+        VarBuilder::from_backend(Box::new(Pooled { inner, pool: self.clone(), reuse }), dtype, device)
     }
 }
 
-struct Recording {
+/// A backend that either records what it loads into the pool (`reuse` is None) or takes the
+/// tensors named in `reuse` from it.
+struct Pooled {
     inner: VarBuilder<'static>,
     pool: Pool,
+    reuse: Option<Arc<BTreeSet<String>>>,
 }
 
-impl SimpleBackend for Recording {
+impl Pooled {
+    /// The pooled tensor `name` in `dtype` (and `shape`, when given), if this backend reuses it.
+    fn pooled(&self, name: &str, shape: Option<&Shape>, dtype: DType) -> Option<Tensor> {
+        if !self.reuse.as_ref()?.contains(name) {
+            return None;
+        }
+        let pool = self.pool.0.lock().expect("weight pool poisoned");
+        pool.get(name).filter(|t| shape.is_none_or(|s| t.shape() == s) && t.dtype() == dtype).cloned()
+    }
+
+    fn loaded(&self, name: &str, t: Tensor) -> Tensor {
+        if self.reuse.is_none() {
+            self.pool.0.lock().expect("weight pool poisoned").insert(name.to_string(), t.clone());
+        }
+        t
+    }
+}
+
+impl SimpleBackend for Pooled {
     fn get(
         &self,
         s: Shape,
@@ -53,53 +68,17 @@ impl SimpleBackend for Recording {
         dtype: DType,
         _: &Device,
     ) -> Result<Tensor, candle_core::Error> {
-        let t = self.inner.get_with_hints_dtype(s, name, h, dtype)?;
-        self.pool.put(name, &t);
-        Ok(t)
+        if let Some(t) = self.pooled(name, Some(&s), dtype) {
+            return Ok(t);
+        }
+        Ok(self.loaded(name, self.inner.get_with_hints_dtype(s, name, h, dtype)?))
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> Result<Tensor, candle_core::Error> {
-        let t = self.inner.get_unchecked_dtype(name, dtype)?;
-        self.pool.put(name, &t);
-        Ok(t)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.inner.contains_tensor(name)
-    }
-}
-
-struct Reusing {
-    inner: VarBuilder<'static>,
-    pool: Pool,
-    same: Arc<BTreeSet<String>>,
-}
-
-impl SimpleBackend for Reusing {
-    fn get(
-        &self,
-        s: Shape,
-        name: &str,
-        h: candle_nn::Init,
-        dtype: DType,
-        _: &Device,
-    ) -> Result<Tensor, candle_core::Error> {
-        if self.same.contains(name) {
-            if let Some(t) = self.pool.get(name, &s, dtype) {
-                return Ok(t);
-            }
+        if let Some(t) = self.pooled(name, None, dtype) {
+            return Ok(t);
         }
-        self.inner.get_with_hints_dtype(s, name, h, dtype)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, _: &Device) -> Result<Tensor, candle_core::Error> {
-        if self.same.contains(name) {
-            if let Some(t) = self.pool.0.lock().expect("weight pool poisoned").get(name).filter(|t| t.dtype() == dtype)
-            {
-                return Ok(t.clone());
-            }
-        }
-        self.inner.get_unchecked_dtype(name, dtype)
+        Ok(self.loaded(name, self.inner.get_unchecked_dtype(name, dtype)?))
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

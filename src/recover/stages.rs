@@ -4,20 +4,11 @@
 //! of the residual stream down through `sum(block(x) · g)`.
 
 use super::loss::{self, KdConfig, Parts};
-use crate::arch::layered::{self, Block, Head, Layers};
+use crate::arch::layered::{self, Resident};
 use crate::arch::NoObserver;
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor, Var};
-use candle_nn::Embedding;
 use std::collections::HashMap;
-
-/// Every stage of a model, loaded.
-pub struct Stages {
-    layers: Box<dyn Layers>,
-    embed: Embedding,
-    blocks: Vec<Box<dyn Block>>,
-    head: Head,
-}
 
 /// Bytes of float32 logits (and their softmax intermediates) one loss chunk may hold: small on
 /// the CPU, larger on a GPU, where a few hundred rows against a 248k vocabulary would leave the
@@ -30,40 +21,24 @@ fn chunk_logit_bytes(device: &candle_core::Device) -> usize {
     }
 }
 
-impl Stages {
-    pub fn load(layers: Box<dyn Layers>) -> Result<Self> {
-        let embed = layers.embed()?;
-        let blocks = (0..layers.num_blocks())
-            .map(|i| layered::load_block(&*layers, i, &mut Vec::new()))
-            .collect::<Result<_>>()?;
-        let head = layers.head(Some(&embed))?;
-        Ok(Self { layers, embed, blocks, head })
+/// The residual stream after the last block [B, T, D] (no gradient is kept).
+pub fn final_hidden(m: &Resident, ids: &Tensor) -> Result<Tensor> {
+    let mut h = layered::embed(&*m.layers, &m.embed, ids, &mut NoObserver)?;
+    for blk in &m.blocks {
+        h = blk.forward(&h, &mut NoObserver, None)?.detach();
     }
+    Ok(h)
+}
 
-    pub fn layers(&self) -> &dyn Layers {
-        &*self.layers
-    }
+/// Logits [R, V] of residual rows [R, D].
+fn logits(m: &Resident, rows: &Tensor) -> Result<Tensor> {
+    let out = m.head.forward(&rows.unsqueeze(0)?, &mut NoObserver, m.blocks.len())?;
+    Ok(out.squeeze(0)?)
+}
 
-    /// The residual stream after the last block [B, T, D] (no gradient is kept).
-    pub fn final_hidden(&self, ids: &Tensor) -> Result<Tensor> {
-        let l = &*self.layers;
-        let mut h = layered::embed(l, &self.embed, ids, &mut NoObserver)?;
-        for blk in &self.blocks {
-            h = blk.forward(&h, &mut NoObserver, None)?.detach();
-        }
-        Ok(h)
-    }
-
-    /// Logits [R, V] of residual rows [R, D].
-    fn logits(&self, rows: &Tensor) -> Result<Tensor> {
-        let out = self.head.forward(&rows.unsqueeze(0)?, &mut NoObserver, self.blocks.len())?;
-        Ok(out.squeeze(0)?)
-    }
-
-    /// Token rows per loss chunk for a vocabulary of `vocab`.
-    fn chunk_rows(&self, vocab: usize) -> usize {
-        (chunk_logit_bytes(self.layers.device()) / (vocab.max(1) * 4 * 6)).max(1)
-    }
+/// Token rows per loss chunk for a vocabulary of `vocab`.
+fn chunk_rows(m: &Resident, vocab: usize) -> usize {
+    (chunk_logit_bytes(m.layers.device()) / (vocab.max(1) * 4 * 6)).max(1)
 }
 
 /// Add each variable's gradient in `grads` to `acc` (float32, by name).
@@ -89,8 +64,8 @@ fn accumulate(
 /// `targets` [B, T], scaled by `scale`, with the gradients of `vars` added to `acc`.
 #[allow(clippy::too_many_arguments)]
 pub fn train_pass(
-    student: &Stages,
-    teacher: &Stages,
+    student: &Resident,
+    teacher: &Resident,
     ids: &Tensor,
     targets: &Tensor,
     cfg: &KdConfig,
@@ -98,10 +73,9 @@ pub fn train_pass(
     vars: &[(String, Var)],
     acc: &mut HashMap<String, Tensor>,
 ) -> Result<Parts> {
-    let t_hidden = if cfg.kd_weight > 0.0 { Some(teacher.final_hidden(ids)?) } else { None };
+    let t_hidden = if cfg.kd_weight > 0.0 { Some(final_hidden(teacher, ids)?) } else { None };
     // Forward, keeping each block's input only.
-    let l = student.layers();
-    let mut h = layered::embed(l, &student.embed, ids, &mut NoObserver)?.detach();
+    let mut h = layered::embed(&*student.layers, &student.embed, ids, &mut NoObserver)?.detach();
     let mut inputs = Vec::with_capacity(student.blocks.len());
     for (i, blk) in student.blocks.iter().enumerate() {
         // Inference kernels: nothing differentiates this pass, only its recomputation below.
@@ -115,15 +89,15 @@ pub fn train_pass(
     let rows = h.reshape((b * t, d))?;
     let t_rows = t_hidden.map(|th| th.reshape((b * t, d))).transpose()?;
     let targets = targets.flatten_all()?;
-    let step = student.chunk_rows(student.head.lm_head.weight().dim(0)?);
+    let step = chunk_rows(student, student.head.lm_head.weight().dim(0)?);
     let mut parts = Parts::default();
     let mut g_rows = Vec::new();
     for start in (0..b * t).step_by(step) {
         let n = step.min(b * t - start);
         let x = Var::from_tensor(&rows.narrow(0, start, n)?)?;
-        let s_logits = student.logits(x.as_tensor())?;
+        let s_logits = logits(student, x.as_tensor())?;
         let t_logits = match &t_rows {
-            Some(tr) => teacher.logits(&tr.narrow(0, start, n)?)?,
+            Some(tr) => logits(teacher, &tr.narrow(0, start, n)?)?,
             None => s_logits.detach(),
         };
         let (loss, p) = loss::chunk(&s_logits, &t_logits, &targets.narrow(0, start, n)?, cfg, scale)?;
@@ -176,12 +150,12 @@ mod tests {
                 || n.contains("layers.3.mlp.down")
         });
         let set = Trainable::default();
-        let student = Stages::load(family.layers(
+        let student = Resident::load(family.layers(
             &ckpt,
             &opts,
             set.wrap(ckpt.var_builder(opts.dtype, &opts.device)?, pick.clone()),
         )?)?;
-        let teacher = Stages::load(family.layers(&ckpt, &opts, ckpt.var_builder(opts.dtype, &opts.device)?)?)?;
+        let teacher = Resident::load(family.layers(&ckpt, &opts, ckpt.var_builder(opts.dtype, &opts.device)?)?)?;
         let vars: Vec<(String, Var)> = set.vars().into_iter().collect();
         assert_eq!(vars.len(), 3);
         // Nudge the student off the teacher so that the distillation term has a gradient.
@@ -197,12 +171,12 @@ mod tests {
         train_pass(&student, &teacher, &x, &y, &cfg, 1.0 / (b * t) as f64, &vars, &mut acc)?;
 
         // The same loss over one graph.
-        let mut h = layered::embed(student.layers(), &student.embed, &x, &mut NoObserver)?;
+        let mut h = layered::embed(&*student.layers, &student.embed, &x, &mut NoObserver)?;
         for blk in &student.blocks {
             h = blk.forward(&h, &mut NoObserver, None)?;
         }
-        let s_logits = student.logits(&h.reshape((b * t, ()))?)?;
-        let t_logits = teacher.logits(&teacher.final_hidden(&x)?.reshape((b * t, ()))?)?;
+        let s_logits = logits(&student, &h.reshape((b * t, ()))?)?;
+        let t_logits = logits(&teacher, &final_hidden(&teacher, &x)?.reshape((b * t, ()))?)?;
         let (loss, _) = loss::chunk(&s_logits, &t_logits, &y.flatten_all()?, &cfg, 1.0 / (b * t) as f64)?;
         let whole = loss.backward()?;
         for (name, v) in &vars {
