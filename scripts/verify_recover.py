@@ -25,7 +25,6 @@ non-zero if any check fails.
 import argparse
 import glob
 import json
-import math
 import os
 import struct
 import subprocess
@@ -35,6 +34,9 @@ import time
 import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from verify_reload import perplexity, windows  # noqa: E402  statecut's --eval protocol, written once
 
 # the projections adapted by the adapters-only run: the ones pruning narrows
 LORA_PATTERN = {"mamba2": "in_proj", "qwen3_5_text": "in_proj_qkv", "qwen3_5": "in_proj_qkv",
@@ -52,39 +54,6 @@ def run(cmd):
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:2])} failed:\n{out.stderr[-2000:]}")
     return out.stdout
-
-
-def token_stream(tokenizer_dir, data, limit, eos):
-    """statecut's text stream: documents encoded without special tokens, each followed by eos."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-    ids = []
-    with open(data) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            ids += tok.encode(json.loads(line)["text"], add_special_tokens=False).ids + [eos]
-            if len(ids) >= limit:
-                break
-    return ids
-
-
-def windows(ids, seqlen, n):
-    """Window i = ids[i·L : i·L + L + 1], as statecut's --eval reads them."""
-    count = min(n, (len(ids) - 1) // seqlen)
-    return [ids[i * seqlen: i * seqlen + seqlen + 1] for i in range(count)]
-
-
-@torch.no_grad()
-def perplexity(model, wins):
-    nll, count = 0.0, 0
-    for w in wins:
-        x = torch.tensor([w])
-        logits = model(input_ids=x[:, :-1]).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
-        count += x.shape[1] - 1
-    return math.exp(nll / count)
 
 
 def model_class(path):
@@ -297,13 +266,13 @@ def main():
                               for k, v in rep.items()}
 
             eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id", 2))
-            ids = token_stream(mdir, evalf, max(a.eval_windows * a.eval_seqlen + 1, a.logit_tokens), eos)
-            wins = windows(ids, a.eval_seqlen, a.eval_windows)
+            wins = windows(mdir, evalf, a.eval_seqlen, a.eval_windows, eos)
+            ids = windows(mdir, evalf, a.logit_tokens, 1, eos)[0]
             # 1. perplexity in transformers against statecut's report, for every checkpoint it evaluated
             ppl = {}
             for what, path, sc in (("teacher", mdir, rep["R"]["ppl"]["teacher"]), ("pruned", P, rep["R"]["ppl"]["pruned"]),
                                    ("R", R, rep["R"]["ppl"]["recovered"]), ("R2", R2, rep["R2"]["ppl"]["recovered"])):
-                lib = perplexity(load(path), wins)
+                lib = perplexity(load(path), wins, False, "cpu")
                 ppl[what] = {"statecut": sc, "transformers": lib, "rel_diff": abs(lib - sc) / sc}
             rec["windows"] = len(wins)
             rec["ppl"] = ppl
