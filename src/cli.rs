@@ -274,7 +274,28 @@ pub struct PruneArgs {
     /// are dropped).
     #[arg(long, value_parser = WIDTH.parser())]
     pub prune_partitions: Option<usize>,
+    /// Recover the pruned model before it is written: LoRA plus distillation from the input
+    /// model, as `statecut recover` does, with the recovery flags below (--eval is evaluated
+    /// on the original, the pruned and the recovered model).
+    #[arg(long, requires = "data")]
+    pub recover: bool,
+    /// With --recover: the training text (.jsonl, .txt, .parquet, or a hub dataset id), read
+    /// through --text-column.
+    #[arg(long, requires = "recover", help_heading = "Recovery (with --recover)")]
+    pub data: Option<String>,
+    /// With --recover: sequences per training micro-batch.
+    #[arg(long, default_value_t = RECOVER_BATCH, value_parser = BATCH.parser(), help_heading = "Recovery (with --recover)")]
+    pub train_batch_size: usize,
+    /// With --recover: tokens per training sequence.
+    #[arg(long, default_value_t = RECOVER_SEQLEN, value_parser = SEQ_TOKENS.parser(), help_heading = "Recovery (with --recover)")]
+    pub train_seqlen: usize,
+    #[command(flatten, next_help_heading = "Recovery (with --recover)")]
+    pub recovery: RecoveryArgs,
 }
+
+/// The recipe's micro-batch: sequences and tokens per sequence.
+pub const RECOVER_BATCH: usize = 16;
+pub const RECOVER_SEQLEN: usize = 2048;
 
 /// Flags of `recover` (the defaults are the recipe of *On State Reduction in Linear Attention*).
 #[derive(Debug, Clone, Args)]
@@ -297,18 +318,50 @@ pub struct RecoverArgs {
     /// Replace an existing output directory.
     #[arg(long)]
     pub overwrite: bool,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = RECOVER_BATCH, value_parser = BATCH.parser())]
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = RECOVER_SEQLEN, value_parser = SEQ_TOKENS.parser())]
+    pub seqlen: usize,
+    #[command(flatten)]
+    pub recipe: RecoveryArgs,
+    /// Evaluate perplexity of the teacher, the pruned and the recovered model on this text.
+    #[arg(long)]
+    pub eval: Option<String>,
+    /// Number of --eval windows.
+    #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
+    pub eval_windows: usize,
+    /// Tokens per --eval window.
+    #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
+    pub eval_seqlen: usize,
+    /// Seed of the adapters' initialisation and of the data order.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save the training state every N steps (beside the output, for --resume).
+    #[arg(long, value_parser = COUNT.parser())]
+    pub save_every: Option<usize>,
+    /// Continue from the saved training state of an earlier run with the same settings.
+    #[arg(long)]
+    pub resume: bool,
+    /// End this run after step N, saving the training state for --resume (jobs with a time limit).
+    #[arg(long, value_parser = COUNT.parser())]
+    pub stop_after: Option<usize>,
+    /// Distil from a teacher that is not the model the student was pruned from (same family
+    /// and vocabulary).
+    #[arg(long)]
+    pub allow_unrelated_teacher: bool,
+}
+
+/// The training recipe, shared by `recover` and `prune --recover`.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct RecoveryArgs {
     /// Optimizer steps [default: 2000].
     #[arg(long, value_parser = COUNT.parser(), conflicts_with = "tokens")]
     pub steps: Option<usize>,
     /// Training tokens instead of --steps (rounded up to whole steps).
     #[arg(long, value_parser = bounds::parse_tokens)]
     pub tokens: Option<u64>,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 16, value_parser = BATCH.parser())]
-    pub batch_size: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 2048, value_parser = SEQ_TOKENS.parser())]
-    pub seqlen: usize,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1, value_parser = COUNT.parser())]
     pub grad_accum: usize,
@@ -345,38 +398,27 @@ pub struct RecoverArgs {
     /// their convs, norms and biases whole), lora:PATTERN, full:PATTERN.
     #[arg(long, default_value = crate::recover::plan::DEFAULT)]
     pub train: String,
-    /// Evaluate perplexity of the teacher, the pruned and the recovered model on this text.
-    #[arg(long)]
-    pub eval: Option<String>,
-    /// Number of --eval windows.
-    #[arg(long, default_value_t = 64, value_parser = COUNT.parser())]
-    pub eval_windows: usize,
-    /// Tokens per --eval window.
-    #[arg(long, default_value_t = 512, value_parser = WINDOW_TOKENS.parser())]
-    pub eval_seqlen: usize,
-    /// Seed of the adapters' initialisation and of the data order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Save the training state every N steps (beside the output, for --resume).
-    #[arg(long, value_parser = COUNT.parser())]
-    pub save_every: Option<usize>,
-    /// Continue from the saved training state of an earlier run with the same settings.
-    #[arg(long)]
-    pub resume: bool,
-    /// End this run after step N, saving the training state for --resume (jobs with a time limit).
-    #[arg(long, value_parser = COUNT.parser())]
-    pub stop_after: Option<usize>,
     /// Stop after this many non-finite steps in a row (each is skipped).
     #[arg(long, default_value_t = 10, value_parser = COUNT.parser())]
     pub max_bad_steps: usize,
-    /// Distil from a teacher that is not the model the student was pruned from (same family
-    /// and vocabulary).
-    #[arg(long)]
-    pub allow_unrelated_teacher: bool,
     /// Also write the adapters in PEFT's layout (adapter_model.safetensors, adapter_config.json)
     /// under OUTPUT/adapters.
     #[arg(long)]
     pub save_adapters: bool,
+}
+
+impl RecoveryArgs {
+    /// The flags' defaults, as clap sets them.
+    pub fn defaults() -> Self {
+        use clap::{FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            r: RecoveryArgs,
+        }
+        let m = <Only as clap::CommandFactory>::command().get_matches_from(["statecut"]);
+        Only::from_arg_matches(&m).expect("the defaults parse").r
+    }
 }
 
 #[derive(Debug, Args)]
@@ -565,6 +607,11 @@ impl PruneArgs {
             eval_seqlen: None,
             dry_run: false,
             prune_partitions: None,
+            recover: false,
+            data: None,
+            train_batch_size: RECOVER_BATCH,
+            train_seqlen: RECOVER_SEQLEN,
+            recovery: RecoveryArgs::defaults(),
         }
     }
 }

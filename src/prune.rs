@@ -125,6 +125,43 @@ pub(crate) fn select_all(
     Ok(out)
 }
 
+/// `--recover`'s flags: whether recovery follows, after checking that its flags are only given
+/// with it and make sense with pruning.
+fn recovery_checks(args: &PruneArgs, plan: &Plan, ckpt: &Checkpoint, layout: &StateLayout) -> Result<bool> {
+    let defaults = crate::cli::RecoveryArgs::defaults();
+    if !args.recover {
+        if args.recovery != defaults
+            || args.train_batch_size != crate::cli::RECOVER_BATCH
+            || args.train_seqlen != crate::cli::RECOVER_SEQLEN
+        {
+            bail!("the recovery flags (--steps, --lr, --train-seqlen, ...) take effect only with --recover; add --recover or drop them");
+        }
+        return Ok(false);
+    }
+    if args.recovery.save_adapters {
+        bail!("--save-adapters with --recover: the adapters apply to the pruned checkpoint, which --recover does not keep; run `statecut prune`, then `statecut recover --save-adapters`");
+    }
+    if args.dry_run {
+        return Ok(true);
+    }
+    let data = args.data.as_deref().context("--recover needs --data TEXT, the training text")?;
+    let src = TextSource::parse(Some(data), &plan.calib.text_column)?;
+    // One batch of training text must exist before calibrating and pruning.
+    let tok = crate::data::TextTokenizer::load(&ckpt.dir, plan.tokenizer.as_deref(), &ckpt.config)?;
+    let (b, l) = (args.train_batch_size, args.train_seqlen);
+    let tokens = tok.stream(src.documents()?, b * l + 1)?;
+    if windows(&tokens, l, b).len() < b {
+        bail!(
+            "--data {data}: {} tokens, fewer than one batch of {b} sequences of {} tokens; use more text or a smaller --train-batch-size / --train-seqlen",
+            tokens.len(),
+            l + 1
+        );
+    }
+    // The input has the pruned model's tensor names: what --train selects is known now.
+    crate::recover::plan::plan(ckpt, layout, &args.recovery.train)?;
+    Ok(true)
+}
+
 fn scored(scores: Vec<f64>, k: usize) -> HeadChoice {
     HeadChoice { kept: select::top_k(&scores, k), scores, rrqr: None }
 }
@@ -151,6 +188,8 @@ struct Job<'a> {
     calib_src: TextSource,
     saved: Option<Calibration>,
     calibrate_now: bool,
+    /// With --recover: the final output, held while `staged` keeps the pruned checkpoint.
+    recover_output: Option<Staged>,
 }
 
 pub fn run(args: &PruneArgs, quiet: bool) -> Result<()> {
@@ -185,6 +224,18 @@ impl<'a> Job<'a> {
         }
         let staged = Staged::new(&args.output, args.overwrite, &dir, &ckpt.files)?;
         let eval_src = plan.eval.as_deref().map(|e| TextSource::parse(Some(e), "text")).transpose()?;
+        // With --recover the pruned checkpoint is staged under a hidden name and never committed:
+        // recovery reads it and writes the output, which is checked and held from now on.
+        let (staged, recover_output, eval_src) = match recovery_checks(args, &plan, &ckpt, &layout)? {
+            true => {
+                let hidden = staged.target.with_file_name(format!(
+                    ".{}.statecut-pruned",
+                    staged.target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+                ));
+                (Staged::new(&hidden, true, &dir, &ckpt.files)?, Some(staged), None)
+            }
+            false => (staged, None, eval_src),
+        };
         let saved = match plan.activations.as_ref().map(|a| a.path.clone()) {
             Some(p) => {
                 let (cal, complete) = Calibration::load(&p, &layout)?;
@@ -222,6 +273,7 @@ impl<'a> Job<'a> {
             calib_src,
             saved,
             calibrate_now,
+            recover_output,
         })
     }
 
@@ -363,17 +415,65 @@ impl<'a> Job<'a> {
             },
             layers,
         };
+        let prune_recipe = toml::to_string(&recipe_of(plan))?;
+        drop(reloaded);
+        report.serving.lines().iter().for_each(|l| println!("{l}"));
+        println!("{}", report.summary());
+        if let Some(output) = self.recover_output.take() {
+            return self.recover(output, report, prune_recipe, quiet);
+        }
         let tmp = &self.staged.tmp;
         std::fs::write(tmp.join("statecut_report.json"), serde_json::to_string_pretty(&report)? + "\n")?;
         std::fs::write(tmp.join("statecut_report.md"), report.markdown())?;
-        std::fs::write(tmp.join("statecut_recipe.toml"), toml::to_string(&recipe_of(plan))?)?;
+        std::fs::write(tmp.join("statecut_recipe.toml"), prune_recipe)?;
         self.staged.commit()?;
-        report.serving.lines().iter().for_each(|l| println!("{l}"));
-        println!("{}", report.summary());
         if !quiet {
             eprintln!("wrote {}", args.output.display());
         }
         Ok(())
+    }
+
+    /// `--recover`: train the pruned checkpoint staged in `self.staged` against the input model
+    /// and write the result to the output; the pruned checkpoint is removed either way.
+    fn recover(self, output: Staged, report: PruneReport, prune_recipe: String, quiet: bool) -> Result<()> {
+        let a = self.args;
+        let plan = &self.plan;
+        let args = crate::cli::RecoverArgs {
+            model: crate::cli::ModelArgs {
+                model: self.staged.tmp.display().to_string(),
+                tokenizer: plan.tokenizer.clone(),
+                ..a.model.clone()
+            },
+            teacher: a.model.model.clone(),
+            data: a.data.clone().context("--recover needs --data")?,
+            text_column: plan.calib.text_column.clone(),
+            output: a.output.clone(),
+            overwrite: a.overwrite,
+            batch_size: a.train_batch_size,
+            seqlen: a.train_seqlen,
+            recipe: a.recovery.clone(),
+            eval: plan.eval.clone(),
+            eval_windows: plan.eval_windows,
+            eval_seqlen: plan.eval_seqlen,
+            seed: plan.calib.seed,
+            save_every: None,
+            resume: false,
+            stop_after: None,
+            allow_unrelated_teacher: false,
+        };
+        let from = crate::recover::FromPrune {
+            staged: output,
+            pruning: crate::recover::Pruning {
+                student: format!("{} pruned by {} at {}", a.model.model, plan.method.name(), plan.ratio),
+                report,
+                prune_recipe,
+                command: std::env::args().collect::<Vec<_>>().join(" "),
+            },
+        };
+        if !quiet {
+            eprintln!("recovering the pruned model");
+        }
+        crate::recover::run_after_prune(&args, from, quiet)
     }
 
     /// The model, when a stage needs it: opened once from the checkpoint already checked.

@@ -280,3 +280,90 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
     }
 }
+
+/// `prune --recover` is `prune` followed by `recover` in one command: the same checkpoint byte
+/// for byte, both reports in the output, and nothing of the pruned intermediate left behind.
+#[test]
+fn prune_then_recover_in_one_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let student = pruned(tmp.path());
+    let apart = tmp.path().join("apart");
+    let (code, _, err) = recover(&student, &apart, &["--steps", "3", "--seed", "5"]);
+    assert_eq!(code, 0, "{err}");
+    let model = embedded_model();
+    let train = repo_file("assets/train.txt");
+    let one = tmp.path().join("one");
+    let prune = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "prune",
+            "-m",
+            model.to_str().unwrap(),
+            "--method",
+            "l1",
+            "--ratio",
+            "0.5",
+            "-o",
+            out.to_str().unwrap(),
+            "-q",
+            "--seed",
+            "5",
+        ];
+        args.extend_from_slice(extra);
+        statecut(&args, &[])
+    };
+    let recipe = [
+        "--data",
+        train.to_str().unwrap(),
+        "--train-batch-size",
+        "2",
+        "--train-seqlen",
+        "64",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "2e-3",
+        "--steps",
+        "3",
+    ];
+    let (code, stdout, err) = prune(&one, &[&["--recover"], &recipe[..]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.trim().lines().last().unwrap().starts_with("recovered "), "{stdout}");
+    assert_eq!(
+        std::fs::read(apart.join("model.safetensors")).unwrap(),
+        std::fs::read(one.join("model.safetensors")).unwrap(),
+        "prune --recover differs from prune, then recover"
+    );
+    let report = read_json(&one.join("statecut_recover.json"));
+    assert_eq!(report["pruning"]["method"], "l1");
+    assert_eq!(report["pruning"]["dk_after"], 32);
+    assert_eq!(read_json(&one.join("statecut_report.json"))["dk_after"], 32);
+    for f in ["statecut_recover.md", "statecut_recipe.toml", "statecut_prune_recipe.toml", "config.json"] {
+        assert!(one.join(f).is_file(), "{f} missing");
+    }
+    let leftovers = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.'))
+            .collect()
+    };
+    assert!(leftovers(tmp.path()).is_empty(), "{:?}", leftovers(tmp.path()));
+
+    // Recovery flags without --recover, adapters that would outlive their base, and a failure
+    // after pruning: one line each, no output, no intermediate left.
+    let out = tmp.path().join("bad");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--steps", "3"], "only with --recover"),
+        ([&["--recover", "--save-adapters"], &recipe[..]].concat(), "--save-adapters"),
+        ([&["--recover", "--train-seqlen", "400000"], &recipe[..2]].concat(), "--train-seqlen"),
+        ([&["--recover", "--train", "full:embeddings"], &recipe[..]].concat(), "embeddings"),
+    ];
+    for (extra, want) in cases {
+        let (code, _, err) = prune(&out, &extra);
+        assert_ne!(code, 0, "{extra:?} succeeded");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: {err}");
+        assert!(!out.exists(), "{extra:?} left an output");
+        assert!(leftovers(tmp.path()).is_empty(), "{extra:?}: {:?}", leftovers(tmp.path()));
+    }
+}

@@ -81,6 +81,23 @@ fn open(model: &str, revision: &str) -> Result<Opened> {
     Ok(Opened { ckpt, layout })
 }
 
+/// What `prune --recover` hands to recovery: the final output, already checked and staged, and
+/// the pruning it reports alongside.
+pub struct FromPrune {
+    pub staged: Staged,
+    pub pruning: Pruning,
+}
+
+/// The pruning a `prune --recover` run did, reported with the recovery.
+pub struct Pruning {
+    pub report: crate::report::PruneReport,
+    /// The prune recipe (`prune --config` reads it back).
+    pub prune_recipe: String,
+    /// How the student is named in the report (its directory is temporary).
+    pub student: String,
+    pub command: String,
+}
+
 /// Everything checked before any weight is loaded.
 struct Job<'a> {
     args: &'a RecoverArgs,
@@ -95,15 +112,21 @@ struct Job<'a> {
     recipe: Recipe,
     data: TextSource,
     eval: Option<TextSource>,
+    pruning: Option<Pruning>,
 }
 
 pub fn run(args: &RecoverArgs, quiet: bool) -> Result<()> {
-    Job::prepare(args, quiet)?.execute(quiet)
+    Job::prepare(args, None, quiet)?.execute(quiet)
+}
+
+/// The second half of `prune --recover`: `args.model` is the freshly pruned checkpoint.
+pub fn run_after_prune(args: &RecoverArgs, from: FromPrune, quiet: bool) -> Result<()> {
+    Job::prepare(args, Some(from), quiet)?.execute(quiet)
 }
 
 fn steps_of(args: &RecoverArgs) -> usize {
-    let per_step = (args.batch_size * args.grad_accum * args.seqlen) as u64;
-    match (args.steps, args.tokens) {
+    let per_step = (args.batch_size * args.recipe.grad_accum * args.seqlen) as u64;
+    match (args.recipe.steps, args.recipe.tokens) {
         (Some(s), _) => s,
         (None, Some(t)) => t.div_ceil(per_step).max(1) as usize,
         (None, None) => DEFAULT_STEPS,
@@ -115,16 +138,16 @@ fn command_of(args: &RecoverArgs, steps: usize) -> String {
     let a = args;
     format!(
         "statecut recover -m {} --teacher {} --data {} -o {} --steps {steps} --batch-size {} --seqlen {} --grad-accum {} --lora-rank {} --lora-alpha {} --lr {} --min-lr-ratio {} --warmup {} --weight-decay {} --clip {} --kd-temperature {} --kd-weight {} --lm-weight {} --train {} --seed {}",
-        a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.grad_accum, a.lora_rank, a.lora_alpha, a.lr, a.min_lr_ratio, a.warmup, a.weight_decay, a.clip, a.kd_temperature, a.kd_weight, a.lm_weight, a.train, a.seed
+        a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.recipe.grad_accum, a.recipe.lora_rank, a.recipe.lora_alpha, a.recipe.lr, a.recipe.min_lr_ratio, a.recipe.warmup, a.recipe.weight_decay, a.recipe.clip, a.recipe.kd_temperature, a.recipe.kd_weight, a.recipe.lm_weight, a.recipe.train, a.seed
     )
 }
 
 impl<'a> Job<'a> {
-    fn prepare(args: &'a RecoverArgs, quiet: bool) -> Result<Self> {
+    fn prepare(args: &'a RecoverArgs, from: Option<FromPrune>, quiet: bool) -> Result<Self> {
         let student = open(&args.model.model, &args.model.revision).context("the student (-m)")?;
         let teacher = open(&args.teacher, &args.model.revision).context("the teacher (--teacher)")?;
         let family = family_for(&student.ckpt)?;
-        let plan = plan::plan(&student.ckpt, &student.layout, &args.train)?;
+        let plan = plan::plan(&student.ckpt, &student.layout, &args.recipe.train)?;
         let steps = steps_of(args);
         crate::guard::check_output("-o", &args.output, &teacher.ckpt.dir, &teacher.ckpt.files)?;
         let state_path = state::path_for(&args.output);
@@ -162,32 +185,49 @@ impl<'a> Job<'a> {
                 relation.differing[0]
             );
         }
-        let staged = Staged::new(&args.output, args.overwrite, &student.ckpt.dir, &student.ckpt.files)?;
+        let (staged, pruning) = match from {
+            Some(f) => (f.staged, Some(f.pruning)),
+            None => (Staged::new(&args.output, args.overwrite, &student.ckpt.dir, &student.ckpt.files)?, None),
+        };
         let recipe = Recipe {
             data: args.data.clone(),
-            train: args.train.clone(),
+            train: args.recipe.train.clone(),
             steps,
             batch_size: args.batch_size,
             seqlen: args.seqlen,
-            grad_accum: args.grad_accum,
-            lora_rank: args.lora_rank,
-            lora_alpha: args.lora_alpha,
-            lr: args.lr,
-            min_lr_ratio: args.min_lr_ratio,
-            warmup: args.warmup,
-            weight_decay: args.weight_decay,
-            clip: args.clip,
-            kd_temperature: args.kd_temperature,
-            kd_weight: args.kd_weight,
-            lm_weight: args.lm_weight,
+            grad_accum: args.recipe.grad_accum,
+            lora_rank: args.recipe.lora_rank,
+            lora_alpha: args.recipe.lora_alpha,
+            lr: args.recipe.lr,
+            min_lr_ratio: args.recipe.min_lr_ratio,
+            warmup: args.recipe.warmup,
+            weight_decay: args.recipe.weight_decay,
+            clip: args.recipe.clip,
+            kd_temperature: args.recipe.kd_temperature,
+            kd_weight: args.recipe.kd_weight,
+            lm_weight: args.recipe.lm_weight,
             adam_beta1: BETAS.0,
             adam_beta2: BETAS.1,
             adam_eps: EPS,
             seed: args.seed,
             dtype: format!("{:?}", args.model.dtype).to_lowercase(),
-            command: command_of(args, steps),
+            command: pruning.as_ref().map_or_else(|| command_of(args, steps), |p| p.command.clone()),
         };
-        Ok(Self { args, student, teacher, family, relation, plan, steps, staged, state_path, recipe, data, eval })
+        Ok(Self {
+            args,
+            student,
+            teacher,
+            family,
+            relation,
+            plan,
+            steps,
+            staged,
+            state_path,
+            recipe,
+            data,
+            eval,
+            pruning,
+        })
     }
 
     fn execute(self, quiet: bool) -> Result<()> {
@@ -200,7 +240,7 @@ impl<'a> Job<'a> {
             TextTokenizer::load(&self.student.ckpt.dir, args.model.tokenizer.as_deref(), &self.student.ckpt.config)?;
 
         // Training windows of seqlen + 1 tokens: the model reads the first seqlen and predicts the last.
-        let want = self.steps * args.grad_accum * args.batch_size;
+        let want = self.steps * args.recipe.grad_accum * args.batch_size;
         let tokens = tok.stream(self.data.documents()?, want.saturating_mul(args.seqlen).saturating_add(1))?;
         let train = windows(&tokens, args.seqlen, want);
         if train.len() < args.batch_size {
@@ -251,8 +291,10 @@ impl<'a> Job<'a> {
             })?),
             None => None,
         };
-        let mut params = params::ParamSet::new(&self.plan, &set, args.lora_rank, args.lora_alpha, args.seed)?;
-        let cfg = optim::AdamWConfig { weight_decay: args.weight_decay, beta1: BETAS.0, beta2: BETAS.1, eps: EPS };
+        let mut params =
+            params::ParamSet::new(&self.plan, &set, args.recipe.lora_rank, args.recipe.lora_alpha, args.seed)?;
+        let cfg =
+            optim::AdamWConfig { weight_decay: args.recipe.weight_decay, beta1: BETAS.0, beta2: BETAS.1, eps: EPS };
         let mut opt = optim::AdamW::new(cfg, &params.values)?;
         let settings = serde_json::to_string(&(&self.recipe, &self.student.ckpt.dir, &self.teacher.ckpt.dir))?;
         let mut progress = if args.resume {
@@ -270,12 +312,15 @@ impl<'a> Job<'a> {
                 self.steps
             );
         }
-        let kd =
-            loss::KdConfig { temperature: args.kd_temperature, kd_weight: args.kd_weight, lm_weight: args.lm_weight };
+        let kd = loss::KdConfig {
+            temperature: args.recipe.kd_temperature,
+            kd_weight: args.recipe.kd_weight,
+            lm_weight: args.recipe.lm_weight,
+        };
         let order = Order::new(train.len(), args.seed);
         let vars = params.vars();
-        let warmup = (args.warmup * self.steps as f64).round() as usize;
-        let tokens_per_step = (args.batch_size * args.grad_accum * args.seqlen) as u64;
+        let warmup = (args.recipe.warmup * self.steps as f64).round() as usize;
+        let tokens_per_step = (args.batch_size * args.recipe.grad_accum * args.seqlen) as u64;
         let pb = crate::progress::bar(self.steps as u64, "recover", quiet);
         pb.set_position(progress.step as u64);
         let train_start = Instant::now();
@@ -285,13 +330,13 @@ impl<'a> Job<'a> {
         while progress.step < last {
             let step = progress.step;
             let step_start = Instant::now();
-            let lr = optim::learning_rate(step, self.steps, warmup, args.lr, args.min_lr_ratio);
+            let lr = optim::learning_rate(step, self.steps, warmup, args.recipe.lr, args.recipe.min_lr_ratio);
             params.refresh()?;
             let mut acc = HashMap::new();
             let mut parts = loss::Parts::default();
             let scale = 1.0 / tokens_per_step as f64;
-            for micro in 0..args.grad_accum {
-                let first_seq = (step * args.grad_accum + micro) * args.batch_size;
+            for micro in 0..args.recipe.grad_accum {
+                let first_seq = (step * args.recipe.grad_accum + micro) * args.batch_size;
                 let batch: Vec<&[u32]> = (0..args.batch_size).map(|i| train[order.at(first_seq + i)]).collect();
                 let (ids, targets) = batch_tensors(&batch, &device)?;
                 parts += stages::train_pass(&student, &teacher, &ids, &targets, &kd, scale, &vars, &mut acc)
@@ -305,7 +350,7 @@ impl<'a> Job<'a> {
             let skipped = !(norm.is_finite() && loss.is_finite());
             if skipped {
                 bad_run += 1;
-                if bad_run >= args.max_bad_steps {
+                if bad_run >= args.recipe.max_bad_steps {
                     bail!(
                         "step {}: {bad_run} steps in a row had a non-finite loss or gradient; stopping (the last saved state, if any, is {}); try a lower --lr",
                         step + 1,
@@ -314,7 +359,7 @@ impl<'a> Job<'a> {
                 }
             } else {
                 bad_run = 0;
-                optim::clip(&mut grads, norm, args.clip)?;
+                optim::clip(&mut grads, norm, args.recipe.clip)?;
                 opt.step(&mut params.values, &grads, lr)?;
             }
             let kd_part = kd.kd_weight * kd.temperature * kd.temperature * parts.kl / n;
@@ -363,7 +408,7 @@ impl<'a> Job<'a> {
             &self.student.ckpt.config,
             &self.staged.tmp,
         )?;
-        if args.save_adapters {
+        if args.recipe.save_adapters {
             let whole = self.plan.values().filter(|h| **h == plan::How::Full).count();
             if whole > 0 && !quiet {
                 eprintln!(
@@ -384,7 +429,7 @@ impl<'a> Job<'a> {
         let report = RecoverReport {
             tool: "statecut",
             version: env!("CARGO_PKG_VERSION"),
-            student: args.model.model.clone(),
+            student: self.pruning.as_ref().map_or_else(|| args.model.model.clone(), |p| p.student.clone()),
             teacher: args.teacher.clone(),
             output: args.output.display().to_string(),
             family: self.student.layout.family.clone(),
@@ -412,9 +457,16 @@ impl<'a> Job<'a> {
                 }),
                 _ => None,
             },
+            pruning: self.pruning.as_ref().map(|p| report::Pruning::of(&p.report)),
             history: progress.history,
         };
         let tmp = &self.staged.tmp;
+        if let Some(p) = &self.pruning {
+            // prune's own report, beside the recovery's, as `prune` writes it.
+            std::fs::write(tmp.join("statecut_report.json"), serde_json::to_string_pretty(&p.report)? + "\n")?;
+            std::fs::write(tmp.join("statecut_report.md"), p.report.markdown())?;
+            std::fs::write(tmp.join("statecut_prune_recipe.toml"), &p.prune_recipe)?;
+        }
         std::fs::write(tmp.join("statecut_recover.json"), serde_json::to_string_pretty(&report)? + "\n")?;
         std::fs::write(tmp.join("statecut_recover.md"), report.markdown())?;
         std::fs::write(tmp.join("statecut_recover_loss.svg"), report.loss_svg())?;
@@ -547,8 +599,8 @@ fn write_adapters(
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": ckpt.dir.display().to_string(),
-        "r": args.lora_rank,
-        "lora_alpha": args.lora_alpha,
+        "r": args.recipe.lora_rank,
+        "lora_alpha": args.recipe.lora_alpha,
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": modules,

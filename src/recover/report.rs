@@ -25,6 +25,39 @@ pub struct Trained {
     pub params: usize,
 }
 
+/// The pruning before the recovery (`prune --recover`); prune's full report is
+/// `statecut_report.json` beside this one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Pruning {
+    pub model: String,
+    pub method: String,
+    pub ratio: f64,
+    pub dk_before: usize,
+    pub dk_after: usize,
+    pub state_elems_before: usize,
+    pub state_elems_after: usize,
+    pub params_before: usize,
+    pub params_after: usize,
+    pub seconds: f64,
+}
+
+impl Pruning {
+    pub fn of(r: &crate::report::PruneReport) -> Self {
+        Self {
+            model: r.model.clone(),
+            method: r.plan.method.name().to_string(),
+            ratio: r.plan.ratio,
+            dk_before: r.dk_before,
+            dk_after: r.dk_after,
+            state_elems_before: r.state_elems_before,
+            state_elems_after: r.state_elems_after,
+            params_before: r.params_before,
+            params_after: r.params_after,
+            seconds: r.seconds.get("total").copied().unwrap_or_default(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct RecoverReport {
     pub tool: &'static str,
@@ -44,6 +77,8 @@ pub struct RecoverReport {
     pub tokens_per_second: f64,
     pub peak_memory_bytes: Option<u64>,
     pub ppl: Option<RecoverPpl>,
+    /// Set when the run pruned the model first (`prune --recover`).
+    pub pruning: Option<Pruning>,
     pub history: Vec<StepLog>,
 }
 
@@ -67,6 +102,12 @@ impl RecoverReport {
             "# statecut recover\n\n- student: `{}`\n- teacher: `{}`\n- family: {}\n- steps: {} ({} skipped), {} tokens, {:.1} s, {:.0} tokens/s\n",
             self.student, self.teacher, self.family, self.steps, self.skipped_steps, self.tokens, self.seconds, self.tokens_per_second
         );
+        if let Some(p) = &self.pruning {
+            md += &format!(
+                "- pruned from `{}` with {} at ratio {}: d_k {} -> {}, state {} -> {} elements per sequence, {} -> {} parameters ({:.1} s; details in statecut_report.md)\n",
+                p.model, p.method, p.ratio, p.dk_before, p.dk_after, p.state_elems_before, p.state_elems_after, p.params_before, p.params_after, p.seconds
+            );
+        }
         md += &format!(
             "- adapters: rank {}, alpha {} on {} tensors; {} tensors trained whole; {} trained parameters\n",
             r.lora_rank,
