@@ -45,7 +45,8 @@
 #                         (scripts/recover_reference.py, 2 untimed warm-up steps) with fla's kernels and,
 #                         when those fail (fla 0.6.0 refuses its gated backward on Hopper with Triton
 #                         < 3.7.1), with the plain-PyTorch delta rule and its self-test against fla:
-#                         tokens/s, peak GPU memory, per-step losses
+#                         tokens/s, peak GPU memory, per-step losses; RECOVER_REFERENCE=0 skips the
+#                         reference (models whose two PyTorch copies do not fit); RECOVER_ARGS adds flags
 # PRUNE_SAMPLES sets the calibration sequences of the pruned copies the decode stages time
 # (default 128); GRAPHS=0 skips the CUDA-graph run of speed:NAME.
 # MAKE_ARGS adds arguments to make_random_checkpoints.py (e.g. "--set num_hidden_layers=8");
@@ -244,7 +245,7 @@ PY
       rm -rf $CK/$name-recovered
       peak "$OUT/recover_statecut_$name.log" $SC recover -m $CK/$name-rp50 --teacher $CK/$name --data "$DATA" \
         --steps ${RECOVER_STEPS:-6} --batch-size ${RECOVER_BATCH:-16} --seqlen 2048 --warmup 0 --device cuda \
-        --dtype bf16 -o $CK/$name-recovered > "$OUT/recover_statecut_${name}_peak.json"
+        --dtype bf16 ${RECOVER_ARGS:-} -o $CK/$name-recovered > "$OUT/recover_statecut_${name}_peak.json"
       cp $CK/$name-recovered/statecut_recover.json "$OUT/recover_statecut_$name.json" 2>/dev/null
       rm -rf $CK/$name-recovered
       echo "statecut: $(cat "$OUT/recover_statecut_${name}_peak.json")"
@@ -258,7 +259,7 @@ print(json.dumps({"tokens_per_second": r["tokens_per_second"], "seconds": r["sec
                   "trained_params": r["trained"]["params"], "peak_memory_gib": mem and mem / 2**30,
                   "loss": [round(h["loss"], 4) for h in r["history"]]}))
 PY
-      for k in fla torch; do
+      [ "${RECOVER_REFERENCE:-1}" = 0 ] || for k in fla torch; do
         ref=$OUT/recover_reference_${name}_$k
         peak "$ref.log" python3 scripts/recover_reference.py --student $CK/$name-rp50 --teacher $CK/$name --kernel $k \
           --batch ${RECOVER_BATCH:-16} --steps ${RECOVER_STEPS:-6} --json "$ref.json" > "${ref}_peak.json"

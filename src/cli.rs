@@ -487,11 +487,11 @@ pub struct RecallArgs {
 pub struct SweepArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Comma-separated channel selectors (l1, swanda, grad, rand, drrqr).
-    #[arg(long, value_delimiter = ',', default_value = "drrqr,grad,l1")]
-    pub methods: Vec<String>,
+    /// Comma-separated channel selectors.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "drrqr,grad,l1")]
+    pub methods: Vec<Method>,
     /// Comma-separated fractions of key/query channels to remove, each in (0, 1).
-    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.625,0.75")]
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.625,0.75", value_parser = bounds::parse_ratio)]
     pub ratios: Vec<f64>,
     /// Round the kept width down to a multiple of this.
     #[arg(long, value_parser = WIDTH.parser())]
@@ -499,9 +499,9 @@ pub struct SweepArgs {
     /// DRRQR tolerance f > 1.
     #[arg(long, value_parser = bounds::parse_rrqr_f)]
     pub rrqr_f: Option<f64>,
-    /// Which activations DRRQR scores: qk, k or q.
-    #[arg(long)]
-    pub score_on: Option<String>,
+    /// Which activations DRRQR scores: qk (keys and queries stacked), k or q.
+    #[arg(long, value_enum)]
+    pub score_on: Option<ScoreOn>,
     #[command(flatten)]
     pub calib: CalibArgs,
     /// Comma-separated evaluation texts (.jsonl/.txt/.parquet or hub dataset ids).

@@ -266,3 +266,30 @@ fn recall_longer_than_the_context_is_one_error() {
     assert_eq!(code, 1);
     assert!(stderr.contains("too short for 40 pairs"), "{stderr}");
 }
+
+/// The grid's flags are typed as `prune`'s are: an unknown selector or --score-on, a ratio
+/// outside (0, 1) and --round-to 0 each end in one line naming the flag, before anything runs.
+#[test]
+fn sweep_flags_validate_like_prune() {
+    let model = s(&embedded_model());
+    let eval = s(&repo_file("assets/eval.txt"));
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("sweep");
+    let cases: [(&[&str], &str); 6] = [
+        (&["--methods", "drrqr,magic"], "--methods magic"),
+        (&["--methods", ""], "--methods"),
+        (&["--score-on", "kk"], "--score-on kk"),
+        (&["--ratios", "0.5,1.5"], "--ratios 1.5"),
+        (&["--ratios", "0.5,nan"], "--ratios nan"),
+        (&["--round-to", "0"], "--round-to 0"),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["sweep", "-m", &model, "--eval", &eval, "-o", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (code, _, stderr) = statecut(&args, &[]);
+        assert_eq!(code, 1, "{extra:?}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{extra:?}: {stderr}");
+        assert!(stderr.starts_with("error: ") && stderr.contains(want), "{extra:?}: {stderr}");
+        assert!(!out.exists());
+    }
+}

@@ -122,8 +122,7 @@ struct Grid {
 
 fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
     let mut methods: Vec<Method> = Vec::new();
-    for m in &a.methods {
-        let m: Method = m.parse()?;
+    for &m in &a.methods {
         if !methods.contains(&m) {
             methods.push(m);
         }
@@ -131,7 +130,7 @@ fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
     if methods.is_empty() || a.ratios.is_empty() {
         bail!("--methods and --ratios must each name at least one value");
     }
-    let score_on: ScoreOn = a.score_on.as_deref().unwrap_or("qk").parse()?;
+    let score_on = a.score_on.unwrap_or(ScoreOn::Qk);
     let rrqr_f = a.rrqr_f.unwrap_or(1.5);
     if !(rrqr_f > 1.0 && rrqr_f.is_finite()) {
         bail!("--rrqr-f {rrqr_f} must be a finite number > 1");
@@ -147,7 +146,7 @@ fn grid(a: &SweepArgs, calib: &Calib, dk: usize) -> Result<Grid> {
         let plan = |method| Plan {
             method,
             ratio,
-            round_to: a.round_to.unwrap_or(1).max(1),
+            round_to: a.round_to.unwrap_or(1),
             rrqr_f,
             score_on,
             calib: calib.clone(),
@@ -203,7 +202,7 @@ pub fn run(a: &SweepArgs, quiet: bool) -> Result<()> {
         seqlen: calib.seqlen,
         seed: calib.seed,
         rows: calib.rows,
-        round_to: a.round_to.unwrap_or(1).max(1),
+        round_to: a.round_to.unwrap_or(1),
         rrqr_f: g.plans.values().next().map_or(1.5, |p| p.rrqr_f),
         score_on: format!("{:?}", g.plans.values().next().map_or(ScoreOn::Qk, |p| p.score_on)).to_lowercase(),
         eval: a.eval.clone(),
