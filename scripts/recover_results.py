@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--eval-windows", default="32")
     ap.add_argument("--eval-seqlen", default="512")
     ap.add_argument("--out", default="results/recover")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="compute dtype (auto: f32 on the CPU, bf16 on GPUs)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -51,7 +53,7 @@ def main():
             mdir = os.path.join(a.shared, "models", m)
             train = os.path.join(a.shared, "data", "calib", "wiki.jsonl")
             evalf = os.path.join(a.shared, "data", "eval", "wiki.jsonl")
-        budget = ["--steps", a.steps, "--batch-size", a.batch, "--seqlen", a.seqlen, "--lr", a.lr, "--data", train,
+        budget = ["--device", a.device, "--dtype", a.dtype, "--steps", a.steps, "--batch-size", a.batch, "--seqlen", a.seqlen, "--lr", a.lr, "--data", train,
                   "--eval", evalf, "--eval-windows", a.eval_windows, "--eval-seqlen", a.eval_seqlen, "-q"]
         # The control: the unpruned model, the same recipe and budget, its own teacher.
         ctrl = os.path.join(a.out, f"{m}-control")
@@ -61,7 +63,8 @@ def main():
             for ratio in a.ratios.split(","):
                 pruned = os.path.join(a.out, f"{m}-{method}-{ratio}")
                 run([a.bin, "prune", "-m", mdir, "--method", method, "--ratio", ratio, "--calib", train,
-                     "--nsamples", "32", "--seqlen", "512", "-o", pruned, "--overwrite", "-q"])
+                     "--nsamples", "32", "--seqlen", "512", "-o", pruned, "--overwrite", "-q",
+                     "--device", a.device, "--dtype", a.dtype])
                 rec = pruned + "-recovered"
                 run([a.bin, "recover", "-m", pruned, "--teacher", mdir, "-o", rec, "--overwrite"] + budget)
                 r = json.load(open(os.path.join(rec, "statecut_recover.json")))

@@ -367,3 +367,59 @@ fn prune_then_recover_in_one_command() {
         assert!(leftovers(tmp.path()).is_empty(), "{extra:?}: {:?}", leftovers(tmp.path()));
     }
 }
+
+/// What trains is what is written: the output, reloaded, has the perplexity of the trained
+/// model in memory, for the layers of every family. Layers make values from stored tensors when
+/// they load (float32 copies, 1 + w, -exp(A_log), joined convs); those must follow a tensor that
+/// trains. bf16, so that the float32 copies exist; norms and A_log trained too.
+#[test]
+fn the_written_checkpoint_is_the_trained_model() {
+    let mut models: Vec<(PathBuf, &str)> = vec![
+        (embedded_model(), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/qwen3_5_moe_text"), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/nemotron_h"), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/granite_h"), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/falcon_h1"), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/kimi_linear"), "mixers,full:norm,full:A_log"),
+        (repo_file("tests/fixtures/sse_gla"), "mixers,full:norm"),
+    ];
+    if let Some(shared) = common::shared() {
+        models.push((shared.join("models/delta_net"), "mixers,full:norm"));
+        models.push((shared.join("models/mamba2"), "mixers,full:norm,full:A_log"));
+        models.push((shared.join("models/qwen3_5"), "mixers,full:norm,full:A_log"));
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let eval = repo_file("assets/eval.txt");
+    for (model, train) in models {
+        let out = tmp.path().join(model.file_name().unwrap());
+        let (code, _, err) = recover_from(
+            &model,
+            &model,
+            &out,
+            &[
+                "--steps",
+                "3",
+                "--lr",
+                "1e-2",
+                "--warmup",
+                "0",
+                "--train",
+                train,
+                "--dtype",
+                "bf16",
+                "--eval",
+                eval.to_str().unwrap(),
+                "--eval-windows",
+                "2",
+                "--eval-seqlen",
+                "64",
+            ],
+        );
+        assert_eq!(code, 0, "{}: {err}", model.display());
+        let p = &read_json(&out.join("statecut_recover.json"))["ppl"];
+        let (teacher, trained, written) =
+            (p["teacher"].as_f64().unwrap(), p["trained"].as_f64().unwrap(), p["recovered"].as_f64().unwrap());
+        assert!((trained / teacher - 1.0).abs() > 1e-3, "{}: training changed nothing", model.display());
+        assert!((written / trained - 1.0).abs() < 1e-3, "{}: trained {trained}, written {written}", model.display());
+    }
+}

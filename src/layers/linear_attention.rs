@@ -8,6 +8,7 @@ use crate::arch::{LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
+use crate::ops::derived::Derived;
 use crate::ops::norm::{l2_norm, RmsNorm};
 use crate::ops::prep::QkvPrep;
 use crate::ops::{repeat_heads, softplus};
@@ -143,10 +144,10 @@ pub enum Decay {
     None,
     /// g = -exp(A_log) · softplus(a + dt_bias) per value head (Gated DeltaNet); `a` comes from
     /// the projections. Float32 [Hv].
-    PerHead { neg_a: Tensor, dt_bias: Tensor },
+    PerHead { neg_a: Derived, dt_bias: Derived },
     /// g = -exp(A_log) · softplus(f_b(f_a(x)) + dt_bias) per value head and key channel (KDA).
     /// `neg_a` [Hv, 1] and `dt_bias` [Hv·dk], float32.
-    PerChannel { f_a: Linear, f_b: Linear, neg_a: Tensor, dt_bias: Tensor },
+    PerChannel { f_a: Linear, f_b: Linear, neg_a: Derived, dt_bias: Derived },
 }
 
 /// What multiplies the normed output.
@@ -229,11 +230,11 @@ impl LinearAttention {
             Decay::None => (None, None),
             Decay::PerHead { neg_a, dt_bias } => {
                 let a = p.a.as_ref().ok_or_else(|| anyhow::anyhow!("a per-head decay needs the a projection"))?;
-                (Some(softplus(&a.to_dtype(f32)?.broadcast_add(dt_bias)?)?.broadcast_mul(neg_a)?), None)
+                (Some(softplus(&a.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?)?.broadcast_mul(&neg_a.get()?)?), None)
             }
             Decay::PerChannel { f_a, f_b, neg_a, dt_bias } => {
-                let f = f_b.forward(&f_a.forward(x)?)?.to_dtype(f32)?.broadcast_add(dt_bias)?;
-                (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(neg_a)?))
+                let f = f_b.forward(&f_a.forward(x)?)?.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?;
+                (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(&neg_a.get()?)?))
             }
         };
         let (q, k, v) = if fused {
@@ -260,9 +261,9 @@ impl LinearAttention {
         let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
         mark("recurrence", dev);
         let out_fused = {
-            let (weight, _) = self.norm.applied();
+            let (weight, _) = self.norm.applied()?;
             let z = p.z.iter().filter(|_| matches!(self.gate, OutputGate::Silu));
-            crate::ops::fusable(&[&o, weight].into_iter().chain(z).collect::<Vec<_>>())
+            crate::ops::fusable(&[&o, &weight].into_iter().chain(z).collect::<Vec<_>>())
         };
         if out_fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
             // o is float32 here (v was): rounding, norm and gate in one kernel.
@@ -290,9 +291,9 @@ impl LinearAttention {
     /// Whether a single-token step on `x` may take [`Self::step`]: off the CPU, with no gradient,
     /// for the layers it covers (a short conv, no per-channel decay, no low-rank gate).
     fn steps_fused(&self, x: &Tensor) -> bool {
-        let weights = [Some(self.norm.applied().0), self.conv.as_ref().map(|c| c.parts().0)];
-        crate::ops::fusable(&[x].into_iter().chain(weights.into_iter().flatten()).collect::<Vec<_>>())
-            && self.conv.is_some()
+        let Some(Ok((conv, _))) = self.conv.as_ref().map(|c| c.parts()) else { return false };
+        let Ok((norm, _)) = self.norm.applied() else { return false };
+        crate::ops::fusable(&[x, &norm, &conv])
             && !matches!(self.decay, Decay::PerChannel { .. })
             && matches!(self.gate, OutputGate::None | OutputGate::Silu)
     }
@@ -300,12 +301,12 @@ impl LinearAttention {
     /// The one-kernel output norm ([`OutNorm`]) of a layer without a gate or with silu(z), in
     /// `dtype`; `z` is the projection the gate reads.
     fn out_norm(&self, z: Option<Tensor>, dtype: DType) -> Result<OutNorm> {
-        let (weight, eps) = self.norm.applied();
+        let (weight, eps) = self.norm.applied()?;
         let gate = match self.gate {
             OutputGate::Silu => Some(z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?),
             _ => None,
         };
-        Ok(OutNorm { weight: weight.clone(), gate, dtype, eps: eps as f32 })
+        Ok(OutNorm { weight, gate, dtype, eps: eps as f32 })
     }
 
     /// One decoding step in five launches (projections, [`StepInputs`], the recurrence,
@@ -322,9 +323,9 @@ impl LinearAttention {
         let in_place = *owned;
         let dtype = x.dtype();
         let p = self.proj.project(x, d)?;
-        let (weight, bias) = conv.parts();
+        let (weight, bias) = conv.parts()?;
         let (neg_a, dt_bias, a) = match &self.decay {
-            Decay::PerHead { neg_a, dt_bias } => (Some(neg_a.clone()), Some(dt_bias.clone()), p.a.clone()),
+            Decay::PerHead { neg_a, dt_bias } => (Some(neg_a.get()?), Some(dt_bias.get()?), p.a.clone()),
             _ => (None, None, None),
         };
         let history = if in_place { history.clone() } else { history.to_dtype(DType::F32)?.contiguous()? };

@@ -10,6 +10,7 @@ use crate::arch::{projection, LayerCache, Observer, RowSlice, SliceRole};
 use crate::checkpoint::Checkpoint;
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
+use crate::ops::derived::Derived;
 use crate::ops::{repeat_heads, softplus};
 use crate::profile::mark;
 use anyhow::Result;
@@ -128,7 +129,8 @@ impl Mamba2Dims {
 
 /// mamba_ssm `RMSNormGated` with `group_size = d_inner / groups`: the RMS is taken per group.
 struct GatedGroupNorm {
-    weight: Tensor,
+    /// float32
+    weight: Derived,
     groups: usize,
     eps: f64,
     before_gate: bool,
@@ -139,7 +141,7 @@ impl GatedGroupNorm {
         let (b, t, c) = x.dims3()?;
         let x = x.reshape((b, t, self.groups, c / self.groups))?;
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        Ok(x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.reshape((b, t, c))?.broadcast_mul(&self.weight)?)
+        Ok(x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.reshape((b, t, c))?.broadcast_mul(&self.weight.get()?)?)
     }
 
     fn forward(&self, y: &Tensor, z: &Tensor) -> Result<Tensor> {
@@ -155,9 +157,9 @@ pub struct Mamba2Mixer {
     layer: usize,
     in_proj: Linear,
     conv: ShortConv,
-    dt_bias: Tensor,
+    dt_bias: Derived,
     /// A = -exp(A_log), [H]
-    neg_a: Tensor,
+    neg_a: Derived,
     /// D skip, [H, 1] or [H, P] (mamba_ssm `D_has_hdim`)
     d_skip: Tensor,
     norm: Option<GatedGroupNorm>,
@@ -180,7 +182,7 @@ impl Mamba2Mixer {
             if d_shape == h * p { vb.get(h * p, "D")?.reshape((h, p))? } else { vb.get(h, "D")?.reshape((h, 1))? };
         let norm = match dims.norm {
             OutputNorm::Gated { groups, before_gate } => Some(GatedGroupNorm {
-                weight: vb.get(dims.d_inner, "norm.weight")?.to_dtype(DType::F32)?,
+                weight: Derived::new(vb.get(dims.d_inner, "norm.weight")?, |t| t.to_dtype(DType::F32))?,
                 groups,
                 eps: dims.eps,
                 before_gate,
@@ -192,8 +194,8 @@ impl Mamba2Mixer {
             layer,
             in_proj: projection(&vb, "in_proj", dims.in_proj_dim(), dims.hidden, dims.in_bias, grad, vars)?,
             conv: ShortConv::load(vb.pp("conv1d"), dims.conv_dim(), dims.conv_kernel, dims.conv_bias)?,
-            dt_bias: vb.get(h, "dt_bias")?.to_dtype(DType::F32)?,
-            neg_a: vb.get(h, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
+            dt_bias: Derived::new(vb.get(h, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
+            neg_a: Derived::new(vb.get(h, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
             d_skip,
             norm,
             out_proj: linear_b(dims.d_inner, dims.hidden, dims.out_bias, vb.pp("out_proj"))?,
@@ -248,12 +250,12 @@ impl Mamba2Mixer {
         obs.qk(self.layer, &cm, &bm)?;
         mark("observer", dev);
         // Δt and the decay in float32, as the upstream kernels compute them.
-        let mut dt = softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?;
+        let mut dt = softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias.get()?)?)?;
         let (lo, hi) = c.dt_limit;
         if lo > 0.0 || hi.is_finite() {
             dt = dt.clamp(lo, hi)?;
         }
-        let g = dt.broadcast_mul(&self.neg_a)?;
+        let g = dt.broadcast_mul(&self.neg_a.get()?)?;
         // head h reads group h / (H/G)
         let r = h / c.groups;
         let (q, k) = (repeat_heads(&cm, r)?, repeat_heads(&bm, r)?);

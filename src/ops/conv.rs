@@ -9,6 +9,10 @@ pub struct ShortConv {
     /// [C, K]
     weight: Tensor,
     bias: Option<Tensor>,
+    /// Stored convs joined by [`ShortConv::concat`] that are being trained: the join is a copy,
+    /// so it is made again at every use, from the parts as they are then ([C_i, 1, K] weights,
+    /// [C_i] biases).
+    live: Option<(Vec<Tensor>, Vec<Tensor>)>,
 }
 
 impl ShortConv {
@@ -17,19 +21,23 @@ impl ShortConv {
         if k == 0 {
             candle_core::bail!("short conv kernel of size 0 (conv_size/conv_kernel in config.json must be at least 1)");
         }
-        Ok(Self { weight: weight.reshape((c, k))?, bias })
+        Ok(Self { weight: weight.reshape((c, k))?, bias, live: None })
     }
 
     /// Several stored depthwise convs (`(name, channels)` under `vb`) as one over their
     /// channels in order: a depthwise conv treats every channel alone, so this is exact.
     pub fn concat(vb: &candle_nn::VarBuilder, parts: &[(&str, usize)], kernel: usize, bias: bool) -> Result<Self> {
         let w = parts.iter().map(|(n, c)| vb.pp(*n).get((*c, 1, kernel), "weight")).collect::<Result<Vec<_>>>()?;
-        let b = if bias {
-            Some(Tensor::cat(&parts.iter().map(|(n, c)| vb.pp(*n).get(*c, "bias")).collect::<Result<Vec<_>>>()?, 0)?)
-        } else {
-            None
+        let b = match bias {
+            true => parts.iter().map(|(n, c)| vb.pp(*n).get(*c, "bias")).collect::<Result<Vec<_>>>()?,
+            false => Vec::new(),
         };
-        Self::new(Tensor::cat(&w, 0)?, b)
+        let joined_b = if bias { Some(Tensor::cat(&b, 0)?) } else { None };
+        let mut conv = Self::new(Tensor::cat(&w, 0)?, joined_b)?;
+        if w.iter().chain(&b).any(Tensor::is_variable) {
+            conv.live = Some((w, b));
+        }
+        Ok(conv)
     }
 
     pub fn load(vb: candle_nn::VarBuilder, channels: usize, kernel: usize, bias: bool) -> Result<Self> {
@@ -42,53 +50,53 @@ impl ShortConv {
         Ok(self.forward_cached(x, None)?.0)
     }
 
-    /// The weight [C, K] and bias [C].
-    pub fn parts(&self) -> (&Tensor, Option<&Tensor>) {
-        (&self.weight, self.bias.as_ref())
+    /// The weight [C, K] and bias [C], as they are now.
+    pub fn parts(&self) -> Result<(Tensor, Option<Tensor>)> {
+        let Some((w, b)) = &self.live else { return Ok((self.weight.clone(), self.bias.clone())) };
+        let weight = Tensor::cat(w, 0)?.reshape(self.weight.shape())?;
+        let bias = if b.is_empty() { None } else { Some(Tensor::cat(b, 0)?) };
+        Ok((weight, bias))
     }
 
     /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no
     /// gradient flows through it, this is one fused kernel instead of 2K + 2 candle ops.
     pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-        let tensors = [Some(x), Some(&self.weight), self.bias.as_ref(), prev].into_iter().flatten();
+        let (weight, bias) = self.parts()?;
+        let tensors = [Some(x), Some(&weight), bias.as_ref(), prev].into_iter().flatten();
         if !super::fusable(&tensors.collect::<Vec<_>>()) {
             let (y, state) = self.forward_cached(x, prev)?;
             return Ok((candle_nn::ops::silu(&y)?, state));
         }
-        let k = self.weight.dim(1)?;
+        let k = weight.dim(1)?;
         Ok(match prev {
             Some(p) => {
                 let input = Tensor::cat(&[&p.to_dtype(x.dtype())?, x], 1)?;
-                (self.fused(&input, 0, true)?, last_inputs(&input, k - 1)?)
+                (fused_conv(&input, &weight, bias.as_ref(), 0, true)?, last_inputs(&input, k - 1)?)
             }
-            None => (self.fused(x, k - 1, true)?, last_inputs(x, k - 1)?),
+            None => (fused_conv(x, &weight, bias.as_ref(), k - 1, true)?, last_inputs(x, k - 1)?),
         })
     }
 
-    /// The [`FusedConv`] op: on the CPU it is the reference the CUDA kernel is tested against.
+    /// The [`FusedConv`] op with this conv's weights.
+    #[cfg(test)]
     fn fused(&self, input: &Tensor, pad: usize, act: bool) -> Result<Tensor> {
-        let dtype = input.dtype();
-        let w = self.weight.to_dtype(dtype)?.contiguous()?;
-        let bias = match &self.bias {
-            Some(b) => b.to_dtype(dtype)?,
-            None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
-        };
-        // A column slice of a stacked projection's output is read where it lies.
-        super::as_rows(input)?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
+        let (w, b) = self.parts()?;
+        fused_conv(input, &w, b.as_ref(), pad, act)
     }
 
     /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
     /// when `None`); returns the output and the new last K-1 inputs, for step-by-step decoding.
     pub fn forward_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let (weight, bias) = self.parts()?;
         let (_, t, _) = x.dims3()?;
-        let k = self.weight.dim(1)?;
+        let k = weight.dim(1)?;
         let padded = match prev {
             Some(p) => Tensor::cat(&[&p.to_dtype(x.dtype())?, x], 1)?,
             None => x.pad_with_zeros(1, k - 1, 0)?,
         };
         let mut y: Option<Tensor> = None;
         for i in 0..k {
-            let w = self.weight.narrow(1, i, 1)?.squeeze(1)?;
+            let w = weight.narrow(1, i, 1)?.squeeze(1)?;
             let term = padded.narrow(1, i, t)?.broadcast_mul(&w)?;
             y = Some(match y {
                 None => term,
@@ -96,13 +104,25 @@ impl ShortConv {
             });
         }
         let y = y.expect("kernel size is at least 1");
-        let y = match &self.bias {
+        let y = match &bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
         let state = padded.narrow(1, padded.dim(1)? - (k - 1), k - 1)?;
         Ok((y, state))
     }
+}
+
+/// The [`FusedConv`] op: on the CPU it is the reference the CUDA kernel is tested against.
+fn fused_conv(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>, pad: usize, act: bool) -> Result<Tensor> {
+    let dtype = input.dtype();
+    let w = weight.to_dtype(dtype)?.contiguous()?;
+    let bias = match bias {
+        Some(b) => b.to_dtype(dtype)?,
+        None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
+    };
+    // A column slice of a stacked projection's output is read where it lies.
+    super::as_rows(input)?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
 }
 
 /// The last `n` steps of x [B, T, C], zero-padded in front when T < n.

@@ -6,6 +6,7 @@ pub mod conv;
 mod cuda;
 pub mod decode;
 pub mod delta_rule;
+pub mod derived;
 pub mod mlp;
 pub mod norm;
 pub mod prep;

@@ -1,5 +1,6 @@
 //! RMS and L2 normalisation, computed in float32 whatever the weight dtype.
 
+use super::derived::Derived;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// How a norm applies its weight: fla/mamba use `x̂·w`, Qwen3.5 decoder norms `x̂·(1+w)`.
@@ -13,7 +14,7 @@ pub enum NormWeight {
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     /// The applied weight (w or 1 + w) in float32.
-    weight: Tensor,
+    weight: Derived,
     /// The stored weight when it is the applied one and in a half-precision dtype: a
     /// half-precision input then normalises in one fused kernel with the same result.
     native: Option<Tensor>,
@@ -23,17 +24,16 @@ pub struct RmsNorm {
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64, kind: NormWeight) -> Result<Self> {
         let native = (kind == NormWeight::Plain && weight.dtype() != DType::F32).then(|| weight.clone());
-        let weight = weight.to_dtype(DType::F32)?;
-        let weight = match kind {
-            NormWeight::Plain => weight,
-            NormWeight::OnePlus => (weight + 1.0)?,
-        };
+        let weight = Derived::new(weight, move |w| match kind {
+            NormWeight::Plain => w.to_dtype(DType::F32),
+            NormWeight::OnePlus => w.to_dtype(DType::F32)? + 1.0,
+        })?;
         Ok(Self { weight, native, eps })
     }
 
     /// The applied weight (w or 1 + w), float32, and eps.
-    pub fn applied(&self) -> (&Tensor, f64) {
-        (&self.weight, self.eps)
+    pub fn applied(&self) -> Result<(Tensor, f64)> {
+        Ok((self.weight.get()?, self.eps))
     }
 
     pub fn load(vb: candle_nn::VarBuilder, size: usize, eps: f64, kind: NormWeight) -> Result<Self> {
@@ -44,56 +44,56 @@ impl RmsNorm {
     /// through it, this is candle's fused kernel (float32 inside), on x directly when the weight
     /// is exact in x's dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.get()?;
         // candle's fused kernel has no backward: a pass that differentiates the input or the
         // weight takes the ops.
-        if !super::fusable(&[x, &self.weight]) {
-            return self.forward_ops(x);
+        if !super::fusable(&[x, &weight]) {
+            return self.forward_ops(x, &weight);
         }
         let eps = self.eps as f32;
         match &self.native {
             Some(w) if w.dtype() == x.dtype() => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps),
-            _ => {
-                candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.weight, eps)?.to_dtype(x.dtype())
-            }
+            _ => candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &weight, eps)?.to_dtype(x.dtype()),
         }
     }
 
     /// The residual sum h + y and its norm, (h + y, norm(h + y)): off the CPU, when no gradient
     /// flows, one kernel ([`AddRms`]) for the two ops (and their two launches).
     pub fn add_forward(&self, h: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
-        if !super::fusable(&[h, y, &self.weight]) || h.shape() != y.shape() || h.dtype() != y.dtype() {
+        let weight = self.weight.get()?;
+        if !super::fusable(&[h, y, &weight]) || h.shape() != y.shape() || h.dtype() != y.dtype() {
             let h = (h + y)?;
             let x = self.forward(&h)?;
             return Ok((h, x));
         }
-        let both =
-            h.contiguous()?.apply_op3_no_bwd(&y.contiguous()?, &self.weight, &AddRms { eps: self.eps as f32 })?;
+        let both = h.contiguous()?.apply_op3_no_bwd(&y.contiguous()?, &weight, &AddRms { eps: self.eps as f32 })?;
         Ok((both.get(0)?, both.get(1)?))
     }
 
     /// [`Self::forward`] in separate float32 ops (the CPU path, and the reference in tests).
-    fn forward_ops(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward_ops(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let y = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(&self.weight)?;
+        let y = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?.broadcast_mul(weight)?;
         y.to_dtype(dtype)
     }
 
     /// Gated form used by fla `FusedRMSNormGated` and Qwen3.5: norm(x)·w·silu(gate), in float32,
     /// returned in x's dtype. Off the CPU, when no gradient flows, one kernel ([`GatedRms`]).
     pub fn forward_gated(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        if !super::fusable(&[x, gate, &self.weight]) {
-            return self.forward_gated_ops(x, gate);
+        let weight = self.weight.get()?;
+        if !super::fusable(&[x, gate, &weight]) {
+            return self.forward_gated_ops(x, gate, &weight);
         }
         let gate = gate.to_dtype(x.dtype())?.contiguous()?;
-        x.contiguous()?.apply_op3_no_bwd(&gate, &self.weight, &GatedRms { eps: self.eps as f32 })
+        x.contiguous()?.apply_op3_no_bwd(&gate, &weight, &GatedRms { eps: self.eps as f32 })
     }
 
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
-    fn forward_gated_ops(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    fn forward_gated_ops(&self, x: &Tensor, gate: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let g = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
-        (self.forward_ops(&x.to_dtype(DType::F32)?)? * g)?.to_dtype(x.dtype())
+        (self.forward_ops(&x.to_dtype(DType::F32)?, weight)? * g)?.to_dtype(x.dtype())
     }
 }
 
@@ -297,7 +297,7 @@ mod tests {
         for dtype in [DType::F32, DType::BF16] {
             let a = Tensor::randn(0f32, 1.0, (3, 1, 24), &dev).unwrap().to_dtype(dtype).unwrap();
             let b = Tensor::randn(0f32, 1.0, (3, 1, 24), &dev).unwrap().to_dtype(dtype).unwrap();
-            let both = a.apply_op3_no_bwd(&b, &norm.weight, &AddRms { eps: 1e-6 }).unwrap();
+            let both = a.apply_op3_no_bwd(&b, &norm.weight.get().unwrap(), &AddRms { eps: 1e-6 }).unwrap();
             let (h, x) = norm.add_forward(&a, &b).unwrap();
             let f = |t: Tensor| t.to_dtype(DType::F32).unwrap();
             assert_eq!(both.dims(), &[2, 3, 1, 24]);
@@ -317,8 +317,8 @@ mod tests {
         assert!(max_rel(&l2, &l2_norm_ops(&x, 1e-6).unwrap()) < 1e-6);
         let w = Tensor::randn(1f32, 0.1, 64, &Device::Cpu).unwrap();
         let norm = RmsNorm::new(w.clone(), 1e-5, NormWeight::Plain).unwrap();
-        let fused = candle_nn::ops::rms_norm(&x, &norm.weight, 1e-5).unwrap();
-        assert!(max_rel(&fused, &norm.forward_ops(&x).unwrap()) < 1e-6);
+        let fused = candle_nn::ops::rms_norm(&x, &norm.weight.get().unwrap(), 1e-5).unwrap();
+        assert!(max_rel(&fused, &norm.forward_ops(&x, &norm.weight.get().unwrap()).unwrap()) < 1e-6);
         // A bf16 weight keeps its native copy; a 1 + w weight does not (1 + w rounds in bf16).
         let half = w.to_dtype(DType::BF16).unwrap();
         assert!(RmsNorm::new(half.clone(), 1e-5, NormWeight::Plain).unwrap().native.is_some());
@@ -334,11 +334,11 @@ mod tests {
         let gate = Tensor::randn(0f32, 2.0, (2, 7, 3, 64), &dev).unwrap();
         let norm = RmsNorm::new(Tensor::randn(1f32, 0.1, 64, &dev).unwrap(), 1e-6, NormWeight::Plain).unwrap();
         let op = GatedRms { eps: 1e-6 };
-        let fused = x.apply_op3_no_bwd(&gate, &norm.weight, &op).unwrap();
-        assert!(max_rel(&fused, &norm.forward_gated_ops(&x, &gate).unwrap()) < 1e-6);
+        let fused = x.apply_op3_no_bwd(&gate, &norm.weight.get().unwrap(), &op).unwrap();
+        assert!(max_rel(&fused, &norm.forward_gated_ops(&x, &gate, &norm.weight.get().unwrap()).unwrap()) < 1e-6);
         let (xb, gb) = (x.to_dtype(DType::BF16).unwrap(), gate.to_dtype(DType::BF16).unwrap());
-        let fused = xb.apply_op3_no_bwd(&gb, &norm.weight, &op).unwrap().to_dtype(DType::F32).unwrap();
-        let ops = norm.forward_gated_ops(&xb, &gb).unwrap().to_dtype(DType::F32).unwrap();
+        let fused = xb.apply_op3_no_bwd(&gb, &norm.weight.get().unwrap(), &op).unwrap().to_dtype(DType::F32).unwrap();
+        let ops = norm.forward_gated_ops(&xb, &gb, &norm.weight.get().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
         assert!(max_rel(&fused, &ops) < 1e-2);
     }
 }

@@ -396,6 +396,15 @@ impl<'a> Job<'a> {
         }
         let train_seconds = train_start.elapsed().as_secs_f64();
         let trained_tokens = (progress.step - first) as u64 * tokens_per_step;
+        // The trained model as it is in memory: the merged checkpoint must reproduce it, up to
+        // rounding into the stored dtypes (a check that every trained tensor reaches the output).
+        let trained = match &eval_wins {
+            Some(w) => {
+                params.refresh()?;
+                Some(crate::ops::without_gradients(|| ppl(&student, w, "trained (in memory)", quiet))?)
+            }
+            None => None,
+        };
         drop((student, teacher, vars));
 
         // The merged checkpoint, reloaded and evaluated before it is committed.
@@ -425,6 +434,14 @@ impl<'a> Job<'a> {
             }
             None => None,
         };
+        if let (Some(t), Some(r)) = (trained, recovered) {
+            if (r / t - 1.0).abs() > 0.01 && !quiet {
+                eprintln!(
+                    "warning: the written checkpoint's perplexity ({r:.3}) differs from the trained model's ({t:.3}) by {:.1}%: updates smaller than a step of the stored dtype are lost when the tensors are rounded into it",
+                    100.0 * (r / t - 1.0).abs()
+                );
+            }
+        }
         let (peak, _) = crate::stream::peak_memory(&device);
         let report = RecoverReport {
             tool: "statecut",
@@ -446,13 +463,14 @@ impl<'a> Job<'a> {
             seconds: start.elapsed().as_secs_f64(),
             tokens_per_second: trained_tokens as f64 / train_seconds.max(1e-9),
             peak_memory_bytes: peak,
-            ppl: match (before, recovered, &eval_wins) {
-                (Some((teacher, pruned)), Some(recovered), Some(w)) => Some(RecoverPpl {
+            ppl: match (before, recovered, trained, &eval_wins) {
+                (Some((teacher, pruned)), Some(recovered), Some(trained), Some(w)) => Some(RecoverPpl {
                     data: args.eval.clone().unwrap_or_default(),
                     windows: w.len(),
                     seqlen: args.eval_seqlen,
                     teacher,
                     pruned,
+                    trained,
                     recovered,
                 }),
                 _ => None,

@@ -3,7 +3,7 @@
 use super::state::StepLog;
 use serde::Serialize;
 
-/// Perplexity of the three models on the evaluation text.
+/// Perplexity on the evaluation text: the teacher, the pruned model, the trained model in memory, and the written checkpoint.
 #[derive(Debug, Clone, Serialize)]
 pub struct RecoverPpl {
     pub data: String,
@@ -11,6 +11,9 @@ pub struct RecoverPpl {
     pub seqlen: usize,
     pub teacher: f64,
     pub pruned: f64,
+    /// The trained model in memory, before its tensors are rounded into their stored dtypes.
+    pub trained: f64,
+    /// The written checkpoint, reloaded.
     pub recovered: f64,
 }
 
@@ -122,8 +125,8 @@ impl RecoverReport {
         );
         if let Some(p) = &self.ppl {
             md += &format!(
-                "\n## Perplexity\n\n{} windows x {} tokens of `{}`\n\n| teacher | pruned | recovered |\n|---|---|---|\n| {:.3} | {:.3} | {:.3} |\n",
-                p.windows, p.seqlen, p.data, p.teacher, p.pruned, p.recovered
+                "\n## Perplexity\n\n{} windows x {} tokens of `{}`\n\n| teacher | pruned | trained (in memory) | recovered (written, reloaded) |\n|---|---|---|---|\n| {:.3} | {:.3} | {:.3} | {:.3} |\n",
+                p.windows, p.seqlen, p.data, p.teacher, p.pruned, p.trained, p.recovered
             );
         }
         md += "\n## Loss\n\n![loss](statecut_recover_loss.svg)\n";

@@ -6,6 +6,7 @@ use super::{Dims, FlaConfig, Kind};
 use crate::arch::{projection, LayerCache, LoadOptions, Observer};
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
 use crate::ops::conv::ShortConv;
+use crate::ops::derived::Derived;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{DType, Tensor, Var};
@@ -44,8 +45,8 @@ fn load(
     // g = -exp(A_log) * softplus(a + dt_bias)   (fla naive_gdn_gate)
     let decay = if gated {
         Decay::PerHead {
-            neg_a: vb.get(d.v_heads, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
-            dt_bias: vb.get(d.v_heads, "dt_bias")?.to_dtype(DType::F32)?,
+            neg_a: Derived::new(vb.get(d.v_heads, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
+            dt_bias: Derived::new(vb.get(d.v_heads, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
         }
     } else {
         Decay::None

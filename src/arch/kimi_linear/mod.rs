@@ -19,6 +19,7 @@ use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
 use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::conv::ShortConv;
+use crate::ops::derived::Derived;
 use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
@@ -254,8 +255,11 @@ fn kda(
         decay: Decay::PerChannel {
             f_a: lin("f_a_proj", d.hidden, d.dv)?,
             f_b: lin("f_b_proj", d.dv, hk)?,
-            neg_a: vb.get((1, 1, d.v_heads, 1), "A_log")?.to_dtype(f32)?.reshape((d.v_heads, 1))?.exp()?.neg()?,
-            dt_bias: vb.get_with_hints_dtype(hk, "dt_bias", Default::default(), f32)?,
+            neg_a: {
+                let hv = d.v_heads;
+                Derived::new(vb.get((1, 1, hv, 1), "A_log")?, move |t| t.to_dtype(f32)?.reshape((hv, 1))?.exp()?.neg())?
+            },
+            dt_bias: Derived::new(vb.get_with_hints_dtype(hk, "dt_bias", Default::default(), f32)?, |t| Ok(t.clone()))?,
         },
         gate: OutputGate::SigmoidLowRank { g_a: lin("g_a_proj", d.hidden, d.dv)?, g_b: lin("g_b_proj", d.dv, hv)? },
         beta_scale: 1.0,

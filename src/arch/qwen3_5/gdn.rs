@@ -5,9 +5,10 @@ use super::config::TextConfig;
 use crate::arch::projection;
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
 use crate::ops::conv::ShortConv;
+use crate::ops::derived::Derived;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::Var;
+use candle_core::{DType, Var};
 use candle_nn::{linear_no_bias, VarBuilder};
 
 /// Linear-attention sizes.
@@ -72,15 +73,14 @@ pub fn load(
         }
         .stacked()?
     };
-    let f32 = candle_core::DType::F32;
     Ok(LinearAttention {
         dims: LinearDims { hidden: d.hidden, heads: d.hk, v_heads: d.hv, dk: d.dk, dv: d.dv },
         layer,
         proj,
         conv: Some(ShortConv::load(vb.pp("conv1d"), d.conv_dim(), c.linear_conv_kernel_dim, false)?),
         decay: Decay::PerHead {
-            neg_a: vb.get(d.hv, "A_log")?.to_dtype(f32)?.exp()?.neg()?,
-            dt_bias: vb.get(d.hv, "dt_bias")?.to_dtype(f32)?,
+            neg_a: Derived::new(vb.get(d.hv, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
+            dt_bias: Derived::new(vb.get(d.hv, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
         },
         gate: OutputGate::Silu,
         beta_scale: 1.0,

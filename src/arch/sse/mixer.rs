@@ -14,6 +14,7 @@ use super::config::{Dims, Implementation, SseConfig, Transition};
 use crate::arch::{projection, LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
+use crate::ops::derived::Derived;
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::softplus;
 use anyhow::{Context, Result};
@@ -42,7 +43,7 @@ enum Gates {
     /// `gk_proj.{0,1}`: per-key-channel log decays of the shared and the routed partitions.
     Gla([LowRank; 2]),
     /// `a_proj`, `b_proj` [2H, D], `A_log`, `dt_bias` [2H]: first H shared, last H routed.
-    Gdn { a_proj: Linear, b_proj: Linear, neg_a: Tensor, dt_bias: Tensor, beta_scale: f64 },
+    Gdn { a_proj: Linear, b_proj: Linear, neg_a: Derived, dt_bias: Derived, beta_scale: f64 },
 }
 
 /// Per-token inputs of the N+1 partitions, [B, T, H, *] (index 0 the shared partition, 1 the
@@ -112,8 +113,8 @@ impl Mixer {
             Transition::Gdn => Gates::Gdn {
                 a_proj: linear_no_bias(hid, 2 * d.heads, vb.pp("a_proj"))?,
                 b_proj: linear_no_bias(hid, 2 * d.heads, vb.pp("b_proj"))?,
-                neg_a: vb.get(2 * d.heads, "A_log")?.to_dtype(DType::F32)?.exp()?.neg()?,
-                dt_bias: vb.get(2 * d.heads, "dt_bias")?.to_dtype(DType::F32)?,
+                neg_a: Derived::new(vb.get(2 * d.heads, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
+                dt_bias: Derived::new(vb.get(2 * d.heads, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
                 beta_scale: if d.allow_neg_eigval { 2.0 } else { 1.0 },
             },
         };
@@ -193,8 +194,8 @@ impl Mixer {
                 let k2 = candle_nn::ops::silu(&k2)?;
                 let l2 = |y: &Tensor| l2_norm(y, 1e-6);
                 // g = -exp(A_log) * softplus(a + dt_bias), in float32
-                let g = softplus(&a_proj.forward(x)?.to_dtype(DType::F32)?.broadcast_add(dt_bias)?)?
-                    .broadcast_mul(neg_a)?
+                let g = softplus(&a_proj.forward(x)?.to_dtype(DType::F32)?.broadcast_add(&dt_bias.get()?)?)?
+                    .broadcast_mul(&neg_a.get()?)?
                     .to_dtype(dtype)?;
                 let beta = (candle_nn::ops::sigmoid(&b_proj.forward(x)?)? * *beta_scale)?;
                 let half = |y: &Tensor, i: usize| y.narrow(2, i * d.heads, d.heads);
