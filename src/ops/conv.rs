@@ -1,5 +1,6 @@
 //! Depthwise causal short convolution (fla `ShortConvolution`, Mamba-2 and Qwen3.5 `conv1d`).
 
+use super::derived::Derived;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
 /// A depthwise causal conv over [B, T, C] with weight [C, 1, K] and an optional bias [C]:
@@ -7,21 +8,14 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDTyp
 #[derive(Debug, Clone)]
 pub struct ShortConv {
     /// [C, K]
-    weight: Tensor,
-    bias: Option<Tensor>,
-    /// Stored convs joined by [`ShortConv::concat`] that are being trained: the join is a copy,
-    /// so it is made again at every use, from the parts as they are then ([C_i, 1, K] weights,
-    /// [C_i] biases).
-    live: Option<(Vec<Tensor>, Vec<Tensor>)>,
+    weight: Derived,
+    /// [C]
+    bias: Option<Derived>,
 }
 
 impl ShortConv {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        let (c, _, k) = weight.dims3()?;
-        if k == 0 {
-            candle_core::bail!("short conv kernel of size 0 (conv_size/conv_kernel in config.json must be at least 1)");
-        }
-        Ok(Self { weight: weight.reshape((c, k))?, bias, live: None })
+        Self::joined(vec![weight], bias.map(|b| vec![b]))
     }
 
     /// Several stored depthwise convs (`(name, channels)` under `vb`) as one over their
@@ -29,15 +23,27 @@ impl ShortConv {
     pub fn concat(vb: &candle_nn::VarBuilder, parts: &[(&str, usize)], kernel: usize, bias: bool) -> Result<Self> {
         let w = parts.iter().map(|(n, c)| vb.pp(*n).get((*c, 1, kernel), "weight")).collect::<Result<Vec<_>>>()?;
         let b = match bias {
-            true => parts.iter().map(|(n, c)| vb.pp(*n).get(*c, "bias")).collect::<Result<Vec<_>>>()?,
-            false => Vec::new(),
+            true => Some(parts.iter().map(|(n, c)| vb.pp(*n).get(*c, "bias")).collect::<Result<Vec<_>>>()?),
+            false => None,
         };
-        let joined_b = if bias { Some(Tensor::cat(&b, 0)?) } else { None };
-        let mut conv = Self::new(Tensor::cat(&w, 0)?, joined_b)?;
-        if w.iter().chain(&b).any(Tensor::is_variable) {
-            conv.live = Some((w, b));
+        Self::joined(w, b)
+    }
+
+    /// Weights [C_i, 1, K] and biases [C_i] joined over their channels (a copy when there are
+    /// several, so [`Derived`] joins trained parts again at each use).
+    fn joined(weights: Vec<Tensor>, biases: Option<Vec<Tensor>>) -> Result<Self> {
+        let (mut c, mut k) = (0, 0);
+        for w in &weights {
+            let (ci, _, ki) = w.dims3()?;
+            (c, k) = (c + ci, ki);
         }
-        Ok(conv)
+        if k == 0 {
+            candle_core::bail!("short conv kernel of size 0 (conv_size/conv_kernel in config.json must be at least 1)");
+        }
+        Ok(Self {
+            weight: Derived::joined(weights, move |w| Tensor::cat(w, 0)?.reshape((c, k)))?,
+            bias: biases.map(|b| Derived::joined(b, |b| Tensor::cat(b, 0))).transpose()?,
+        })
     }
 
     pub fn load(vb: candle_nn::VarBuilder, channels: usize, kernel: usize, bias: bool) -> Result<Self> {
@@ -52,10 +58,7 @@ impl ShortConv {
 
     /// The weight [C, K] and bias [C], as they are now.
     pub fn parts(&self) -> Result<(Tensor, Option<Tensor>)> {
-        let Some((w, b)) = &self.live else { return Ok((self.weight.clone(), self.bias.clone())) };
-        let weight = Tensor::cat(w, 0)?.reshape(self.weight.shape())?;
-        let bias = if b.is_empty() { None } else { Some(Tensor::cat(b, 0)?) };
-        Ok((weight, bias))
+        Ok((self.weight.get()?, self.bias.as_ref().map(Derived::get).transpose()?))
     }
 
     /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no

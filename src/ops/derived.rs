@@ -1,5 +1,5 @@
-//! Values a layer makes from a stored tensor when it loads (a float32 copy, `1 + w`,
-//! `-exp(A_log)`). Made once, they would go stale when the tensor is trained: the variable
+//! Values a layer makes from stored tensors when it loads (a float32 copy, `1 + w`,
+//! `-exp(A_log)`, several convs joined into one). Made once, they would go stale when the tensor is trained: the variable
 //! changes between steps while the copy keeps its first value (and its gradient still reaches
 //! the variable, so training would drift it blindly). A [`Derived`] of a variable is made again
 //! at each use instead.
@@ -7,38 +7,47 @@
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 
-type Make = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+type Make = Box<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 
+/// Shared by the layer's clones, so as small as a tensor handle.
 #[derive(Clone)]
-pub struct Derived {
-    stored: Tensor,
+pub struct Derived(Arc<Inner>);
+
+struct Inner {
+    stored: Vec<Tensor>,
     value: Tensor,
     make: Make,
 }
 
 impl Derived {
+    /// `make(stored)`.
     pub fn new(stored: Tensor, make: impl Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static) -> Result<Self> {
+        Self::joined(vec![stored], move |s| make(&s[0]))
+    }
+
+    /// `make(stored)` of several stored tensors.
+    pub fn joined(
+        stored: Vec<Tensor>,
+        make: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Result<Self> {
         let value = make(&stored)?;
-        Ok(Self { stored, value, make: Arc::new(make) })
+        Ok(Self(Arc::new(Inner { stored, value, make: Box::new(make) })))
     }
 
-    /// The value now: the one made at load, or, for a trained tensor, made from it as it is.
+    /// The value now: the one made at load, or, when a stored tensor trains, made from them as
+    /// they are.
     pub fn get(&self) -> Result<Tensor> {
-        match self.stored.is_variable() {
-            true => (self.make)(&self.stored),
-            false => Ok(self.value.clone()),
+        let d = &self.0;
+        match d.stored.iter().any(Tensor::is_variable) {
+            true => (d.make)(&d.stored),
+            false => Ok(d.value.clone()),
         }
-    }
-
-    /// The tensor as loaded (before the conversion).
-    pub fn stored(&self) -> &Tensor {
-        &self.stored
     }
 }
 
 impl std::fmt::Debug for Derived {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Derived").field("value", &self.value).finish_non_exhaustive()
+        f.debug_struct("Derived").field("value", &self.0.value).finish_non_exhaustive()
     }
 }
 
@@ -59,6 +68,12 @@ mod tests {
         // The gradient reaches the variable through the value made now.
         let g = d.get().unwrap().sum_all().unwrap().backward().unwrap();
         assert_eq!(g.get(var.as_tensor()).unwrap().to_vec1::<f32>().unwrap(), got);
+
+        // A join follows any of its parts.
+        let fixed = Tensor::new(&[5f32], &dev).unwrap();
+        let d = Derived::joined(vec![fixed, var.as_tensor().clone()], |s| Tensor::cat(s, 0)).unwrap();
+        var.set(&Tensor::new(&[3f32, 4.0], &dev).unwrap()).unwrap();
+        assert_eq!(d.get().unwrap().to_vec1::<f32>().unwrap(), vec![5.0, 3.0, 4.0]);
 
         let plain = Tensor::new(&[0f32, 1.0], &dev).unwrap().to_dtype(DType::BF16).unwrap();
         let d = Derived::new(plain, |t| t.to_dtype(DType::F32)).unwrap();
