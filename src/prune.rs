@@ -151,11 +151,7 @@ fn recovery_checks(args: &PruneArgs, plan: &Plan, ckpt: &Checkpoint, layout: &St
     let (b, l) = (args.train_batch_size, args.train_seqlen);
     let tokens = tok.stream(src.documents()?, b * l + 1)?;
     if windows(&tokens, l, b).len() < b {
-        bail!(
-            "--data {data}: {} tokens, fewer than one batch of {b} sequences of {} tokens; use more text or a smaller --train-batch-size / --train-seqlen",
-            tokens.len(),
-            l + 1
-        );
+        return Err(crate::recover::short_data(data, tokens.len(), b, l, "--train-batch-size / --train-seqlen"));
     }
     // The input has the pruned model's tensor names: what --train selects is known now.
     crate::recover::plan::plan(ckpt, layout, &args.recovery.train)?;

@@ -244,13 +244,7 @@ impl<'a> Job<'a> {
         let tokens = tok.stream(self.data.documents()?, want.saturating_mul(args.seqlen).saturating_add(1))?;
         let train = windows(&tokens, args.seqlen, want);
         if train.len() < args.batch_size {
-            bail!(
-                "--data {}: {} tokens, fewer than one batch of {} sequences of {} tokens; use more text or a smaller --batch-size / --seqlen",
-                args.data,
-                tokens.len(),
-                args.batch_size,
-                args.seqlen + 1
-            );
+            return Err(short_data(&args.data, tokens.len(), args.batch_size, args.seqlen, "--batch-size / --seqlen"));
         }
         if train.len() < want && !quiet {
             eprintln!(
@@ -510,6 +504,15 @@ impl<'a> Job<'a> {
         }
         Ok(Some(tokens))
     }
+}
+
+/// Training text `data` of `tokens` tokens is shorter than one batch of `batch` sequences of
+/// `seqlen` + 1 tokens; `flags` names the flags that set the batch.
+pub(crate) fn short_data(data: &str, tokens: usize, batch: usize, seqlen: usize, flags: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--data {data}: {tokens} tokens, fewer than one batch of {batch} sequences of {} tokens; use more text or a smaller {flags}",
+        seqlen + 1
+    )
 }
 
 /// Perplexity of `model` on `wins`, said as `what`.
