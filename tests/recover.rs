@@ -10,24 +10,29 @@ use common::{embedded_model, repo_file, statecut};
 use half::bf16;
 use std::path::{Path, PathBuf};
 
+/// `prune` of the embedded model to half its key width (L1) into `out`, with `extra` flags.
+fn prune(out: &Path, extra: &[&str]) -> (i32, String, String) {
+    let model = embedded_model();
+    let mut args = vec![
+        "prune",
+        "-m",
+        model.to_str().unwrap(),
+        "--method",
+        "l1",
+        "--ratio",
+        "0.5",
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ];
+    args.extend_from_slice(extra);
+    statecut(&args, &[])
+}
+
 /// The embedded model pruned to half its key width, into `dir/pruned`.
 fn pruned(dir: &Path) -> PathBuf {
     let out = dir.join("pruned");
-    let (code, _, err) = statecut(
-        &[
-            "prune",
-            "-m",
-            embedded_model().to_str().unwrap(),
-            "--method",
-            "l1",
-            "--ratio",
-            "0.5",
-            "-o",
-            out.to_str().unwrap(),
-            "-q",
-        ],
-        &[],
-    );
+    let (code, _, err) = prune(&out, &[]);
     assert_eq!(code, 0, "{err}");
     out
 }
@@ -290,27 +295,9 @@ fn prune_then_recover_in_one_command() {
     let apart = tmp.path().join("apart");
     let (code, _, err) = recover(&student, &apart, &["--steps", "3", "--seed", "5"]);
     assert_eq!(code, 0, "{err}");
-    let model = embedded_model();
     let train = repo_file("assets/train.txt");
     let one = tmp.path().join("one");
-    let prune = |out: &Path, extra: &[&str]| {
-        let mut args = vec![
-            "prune",
-            "-m",
-            model.to_str().unwrap(),
-            "--method",
-            "l1",
-            "--ratio",
-            "0.5",
-            "-o",
-            out.to_str().unwrap(),
-            "-q",
-            "--seed",
-            "5",
-        ];
-        args.extend_from_slice(extra);
-        statecut(&args, &[])
-    };
+    let prune = |out: &Path, extra: &[&str]| prune(out, &[&["--seed", "5"], extra].concat());
     let recipe = [
         "--data",
         train.to_str().unwrap(),
