@@ -1,5 +1,6 @@
-//! The chunked recurrence (the GPU path) on the CPU: same goldens as the sequential kernel, and
-//! the same key-projection gradients, on every shared reference model.
+//! The chunked recurrence (the GPU path) on the CPU, in both forms (candle ops, and statecut's
+//! chunk walk and solve): same goldens as the sequential kernel, and the same key-projection
+//! gradients, on every shared reference model.
 
 mod common;
 
@@ -16,10 +17,12 @@ fn check(name: &str) {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = family_for(&ckpt).unwrap().load(&ckpt, &LoadOptions::cpu_f32()).unwrap();
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
-    let logits = Kernel::scoped(Kernel::Chunked, || model.forward(&ids, &mut NoObserver)).unwrap();
-    let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
-    eprintln!("{name}: chunked logits relative error {err:.3e}");
-    assert!(err < 1e-4, "{name}: chunked logits relative error {err:.3e} >= 1e-4");
+    for kernel in [Kernel::Chunked, Kernel::ChunkedKernels] {
+        let logits = Kernel::scoped(kernel, || model.forward(&ids, &mut NoObserver)).unwrap();
+        let err = common::rel_err(&flat(&logits), &flat(&golden["logits"]));
+        eprintln!("{name}: {kernel:?} logits relative error {err:.3e}");
+        assert!(err < 1e-4, "{name}: {kernel:?} logits relative error {err:.3e} >= 1e-4");
+    }
 
     // Gradients through the chunked form (candle autograd) against the sequential kernel's
     // hand-written backward, on the same loss.
@@ -34,12 +37,15 @@ fn check(name: &str) {
         let grads = loss.backward().unwrap();
         model.grad_vars().iter().map(|(n, v)| (n.clone(), flat(grads.get(v.as_tensor()).unwrap()))).collect::<Vec<_>>()
     };
-    let (a, b) = (grad_of(&ckpt, Kernel::Chunked), grad_of(&ckpt, Kernel::Sequential));
-    assert!(!a.is_empty() && a.len() == b.len(), "{name}: gradient variables");
-    for ((n, ga), (_, gb)) in a.iter().zip(&b) {
-        let err = common::rel_err(ga, gb);
-        eprintln!("{name}: gradient of {n}: chunked vs sequential {err:.3e}");
-        assert!(err < 1e-3, "{name}: gradient of {n}: chunked vs sequential relative error {err:.3e}");
+    let b = grad_of(&ckpt, Kernel::Sequential);
+    for kernel in [Kernel::Chunked, Kernel::ChunkedKernels] {
+        let a = grad_of(&ckpt, kernel);
+        assert!(!a.is_empty() && a.len() == b.len(), "{name}: gradient variables");
+        for ((n, ga), (_, gb)) in a.iter().zip(&b) {
+            let err = common::rel_err(ga, gb);
+            eprintln!("{name}: gradient of {n}: {kernel:?} vs sequential {err:.3e}");
+            assert!(err < 1e-3, "{name}: gradient of {n}: {kernel:?} vs sequential relative error {err:.3e}");
+        }
     }
 }
 

@@ -44,10 +44,26 @@ fn mask(c: usize, dev: &Device, keep: impl Fn(usize, usize) -> bool, yes: f32, n
     Tensor::from_vec(v, (c, c), dev)
 }
 
-/// Outputs o [B,T,H,dv] and final state [B,H,dk,dv], both float32.
+/// How the chunks are walked and the intra-chunk system solved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// Candle ops only: the loop over chunks in matmuls, the solve in float64 products. The
+    /// reference, and the path on devices without statecut's kernels.
+    Composed,
+    /// The walk as one op with its own backward ([`super::chunk_walk`]) and the solve by forward
+    /// substitution in float32 ([`super::triangular`]); the rest stays in batched candle ops.
+    Kernels,
+}
+
+/// Outputs o [B,T,H,dv] and final state [B,H,dk,dv], both float32, in the composed form.
 pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
+    forward_in(rec, Form::Composed)
+}
+
+/// [`forward`] in the given form.
+pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     if let Some(gk) = rec.gk {
-        return forward_per_channel(rec, gk);
+        return forward_per_channel(rec, gk, form);
     }
     let (b, t, h, dk) = rec.q.dims4()?;
     let dv = rec.v.dim(3)?;
@@ -85,20 +101,30 @@ pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
             let strict = mask(c, dev, |t, j| j < t, 1.0, 0.0)?;
             let a = (k_beta.matmul(&k_t)? * &decay)?.broadcast_mul(&strict)?.neg()?;
             // In float64: repeated squaring in float32 loses the un-gated DeltaNet's trained keys
-            // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost.
-            let inv = unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?;
+            // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost. Forward
+            // substitution is accurate in float32.
+            let inv = match form {
+                Form::Composed => unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?,
+                Form::Kernels => super::triangular::unit_lower_inverse(&a)?,
+            };
             (inv.matmul(&v_beta)?, Some(inv.matmul(&k_beta.broadcast_mul(&e_gamma)?)?))
         }
     };
     let qk = (q.matmul(&k_t)? * &decay)?; // [N,BH,C,C]
     let q_decayed = q.broadcast_mul(&e_gamma)?;
-    let k_to_end = k.broadcast_mul(&to_end)?.t()?.contiguous()?; // [N,BH,dk,C]
-    let chunk_decay = last.exp()?.unsqueeze(3)?; // [N,BH,1,1]
-
-    let mut s = match rec.initial {
+    let s0 = match rec.initial {
         Some(s) => s.to_dtype(DType::F32)?.reshape((b * h, dk, dv))?,
         None => Tensor::zeros((b * h, dk, dv), DType::F32, dev)?,
     };
+    if form == Form::Kernels {
+        let kend = k.broadcast_mul(&to_end)?; // [N,BH,C,dk]
+        let rows = last.exp()?.broadcast_as((n, b * h, dk))?;
+        return walked(rec, (&w, kc.as_ref(), &kend, &s0, &rows), &q_decayed, &qk);
+    }
+    let k_to_end = k.broadcast_mul(&to_end)?.t()?.contiguous()?; // [N,BH,dk,C]
+    let chunk_decay = last.exp()?.unsqueeze(3)?; // [N,BH,1,1]
+
+    let mut s = s0;
     let mut outs = Vec::with_capacity(n);
     for i in 0..n {
         let u = match &kc {
@@ -112,6 +138,26 @@ pub fn forward(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
     let o = Tensor::stack(&outs, 0)?.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
     let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
+}
+
+/// The walk's inputs (W, Kc, Kend, S₀, per-row decay) in float32.
+type WalkInputs<'a> = (&'a Tensor, Option<&'a Tensor>, &'a Tensor, &'a Tensor, &'a Tensor);
+
+/// Outputs and final state through [`super::chunk_walk::walk`]: every chunk's output from its
+/// start state and its U, in two batched matmuls.
+fn walked(
+    rec: &Recurrence,
+    (w, kc, kend, s0, rows): WalkInputs,
+    q_decayed: &Tensor,
+    qk: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, dk) = rec.q.dims4()?;
+    let (n, _, c, dv) = w.dims4()?;
+    let (u, states) = super::chunk_walk::walk(w, kc, kend, s0, rows)?;
+    let o = (q_decayed.matmul(&states.narrow(0, 0, n)?)? + qk.matmul(&u)?)?; // [N,BH,C,dv]
+    let o = o.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
+    let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
+    Ok((o.contiguous()?, states.get(n)?.reshape((b, h, dk, dv))?))
 }
 
 /// The inverse (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) in float64.
@@ -130,7 +176,7 @@ fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
 }
 
 /// [`forward`] with a decay per key channel `gk` [B,T,H,dk] (and the scalar `g` on top).
-fn forward_per_channel(rec: &Recurrence, gk: &Tensor) -> Result<(Tensor, Tensor)> {
+fn forward_per_channel(rec: &Recurrence, gk: &Tensor, form: Form) -> Result<(Tensor, Tensor)> {
     let (b, t, h, dk) = rec.q.dims4()?;
     let dv = rec.v.dim(3)?;
     let dev = rec.q.device();
@@ -150,8 +196,6 @@ fn forward_per_channel(rec: &Recurrence, gk: &Tensor) -> Result<(Tensor, Tensor)
     let k_til_t = (&k * &down)?.t()?.contiguous()?; // [N,BH,dk,C]
     let q_hat = (&q * &up)?;
     let last = gam.narrow(2, c - 1, 1)?; // [N,BH,1,dk]
-    let k_to_end = (&k * last.broadcast_sub(&gam)?.exp()?)?.t()?.contiguous()?; // [N,BH,dk,C]
-    let chunk_decay = last.exp()?.transpose(2, 3)?; // [N,BH,dk,1]: rows of S
     let mask64 = |keep: fn(usize, usize) -> bool| mask(c, dev, keep, 1.0, 0.0)?.to_dtype(DType::F64);
     let v_beta = v.broadcast_mul(&beta)?;
     let (w, kc) = match rec.rule {
@@ -163,6 +207,20 @@ fn forward_per_channel(rec: &Recurrence, gk: &Tensor) -> Result<(Tensor, Tensor)
         }
     };
     let qk = q_hat.matmul(&k_til_t)?.broadcast_mul(&mask64(|t, j| j <= t)?)?;
+    if form == Form::Kernels {
+        // Everything that crosses chunks in float32: e^−Γ only ever met e^Γ within one.
+        let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+        let kend = f32(&(&k * last.broadcast_sub(&gam)?.exp()?)?)?; // [N,BH,C,dk]
+        let rows = f32(&last.exp()?.squeeze(2)?)?; // [N,BH,dk]
+        let s0 = match rec.initial {
+            Some(s) => s.to_dtype(DType::F32)?.reshape((b * h, dk, dv))?,
+            None => Tensor::zeros((b * h, dk, dv), DType::F32, dev)?,
+        };
+        let (w, kc) = (f32(&w)?, kc.as_ref().map(f32).transpose()?);
+        return walked(rec, (&w, kc.as_ref(), &kend, &s0, &rows), &f32(&q_hat)?, &f32(&qk)?);
+    }
+    let k_to_end = (&k * last.broadcast_sub(&gam)?.exp()?)?.t()?.contiguous()?; // [N,BH,dk,C]
+    let chunk_decay = last.exp()?.transpose(2, 3)?; // [N,BH,dk,1]: rows of S
     let mut s = match rec.initial {
         Some(s) => s.to_dtype(DType::F64)?.reshape((b * h, dk, dv))?,
         None => Tensor::zeros((b * h, dk, dv), DType::F64, dev)?,
@@ -245,12 +303,15 @@ mod tests {
                             rule,
                             initial: init.then_some(&x.s0),
                         };
-                        let (o, s) = forward(&rec).unwrap();
                         let (o2, s2) = rec.sequential_with_state().unwrap();
-                        let what = format!("T {t} {rule:?} gated {gated} per-channel {channels} initial {init}");
-                        assert_eq!(o.dims(), o2.dims(), "{what}");
-                        assert!(rel_err(&o, &o2) < 1e-5, "{what}: outputs differ by {}", rel_err(&o, &o2));
-                        assert!(rel_err(&s, &s2) < 1e-5, "{what}: states differ by {}", rel_err(&s, &s2));
+                        for form in [Form::Composed, Form::Kernels] {
+                            let (o, s) = forward_in(&rec, form).unwrap();
+                            let what =
+                                format!("{form:?} T {t} {rule:?} gated {gated} per-channel {channels} initial {init}");
+                            assert_eq!(o.dims(), o2.dims(), "{what}");
+                            assert!(rel_err(&o, &o2) < 1e-5, "{what}: outputs differ by {}", rel_err(&o, &o2));
+                            assert!(rel_err(&s, &s2) < 1e-5, "{what}: states differ by {}", rel_err(&s, &s2));
+                        }
                     }
                 }
             }
@@ -264,7 +325,7 @@ mod tests {
         for (rule, channels) in [(Rule::Delta, false), (Rule::Plain, false), (Rule::Delta, true), (Rule::Plain, true)] {
             let vars: Vec<Var> =
                 [&x.q, &x.k, &x.v, &x.beta, &x.g, &x.gk].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
-            let grads = |chunked: bool| -> Vec<Tensor> {
+            let grads = |chunked: Option<Form>| -> Vec<Tensor> {
                 let rec = Recurrence {
                     q: vars[0].as_tensor(),
                     k: vars[1].as_tensor(),
@@ -276,16 +337,22 @@ mod tests {
                     rule,
                     initial: None,
                 };
-                let o = if chunked { forward(&rec).unwrap().0 } else { rec.forward_sequential().unwrap() };
+                let o = match chunked {
+                    Some(form) => forward_in(&rec, form).unwrap().0,
+                    None => rec.forward_sequential().unwrap(),
+                };
                 let store = (o * &w).unwrap().sum_all().unwrap().backward().unwrap();
                 vars.iter().filter_map(|v| store.get(v.as_tensor()).cloned()).collect()
             };
-            let (a, b) = (grads(true), grads(false));
+            let b = grads(None);
             let names: &[&str] =
                 if channels { &["q", "k", "v", "beta", "g", "gk"] } else { &["q", "k", "v", "beta", "g"] };
-            for (i, name) in names.iter().enumerate() {
-                let e = rel_err(&a[i], &b[i]);
-                assert!(e < 1e-4, "{rule:?} per-channel {channels}: d{name} differs by {e}");
+            for form in [Form::Composed, Form::Kernels] {
+                let a = grads(Some(form));
+                for (i, name) in names.iter().enumerate() {
+                    let e = rel_err(&a[i], &b[i]);
+                    assert!(e < 1e-4, "{form:?} {rule:?} per-channel {channels}: d{name} differs by {e}");
+                }
             }
         }
     }

@@ -12,6 +12,7 @@
 //! re-computing states from checkpoints every `CHUNK` steps), so candle autograd can take
 //! gradients through it for the Grad selector.
 
+use super::chunked::Form;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -458,8 +459,12 @@ impl CustomOp3 for FusedOp {
 pub enum Kernel {
     /// This module's float32 CPU kernel (inputs on another device are copied to the host).
     Sequential,
-    /// [`super::chunked`]: batched matmuls on the inputs' own device, differentiable.
+    /// [`super::chunked`] in candle ops: batched matmuls on the inputs' own device,
+    /// differentiable; the reference form.
     Chunked,
+    /// [`super::chunked`] with its walk over chunks and its intra-chunk solve as statecut's own
+    /// ops (one CUDA launch each way on GPUs), differentiable.
+    ChunkedKernels,
     /// The sequential float32 recurrence as one op on the inputs' own device (one CUDA kernel
     /// on GPUs); not differentiable.
     Fused,
@@ -467,16 +472,18 @@ pub enum Kernel {
 
 impl Kernel {
     /// The chunked form when a gradient has to flow through the recurrence (the Grad selector,
-    /// on any device: its float64 intra-chunk solve keeps the decay gradients of strongly
-    /// decaying heads within 1e-4 of PyTorch's float64 ones, where the sequential kernel's
-    /// float32 backward drifts to 1e-3); otherwise the fused kernel on GPUs and the sequential
+    /// recovery; on the CPU the composed form, whose float64 intra-chunk solve keeps the decay
+    /// gradients of strongly decaying heads within 1e-4 of PyTorch's float64 ones, where the
+    /// sequential kernel's float32 backward drifts to 1e-3; on GPUs the same form on statecut's
+    /// chunk kernels); otherwise the fused kernel on GPUs and the sequential
     /// kernel on the CPU, where the per-head loop is exact and fast for the model sizes that run
-    /// there. `STATECUT_RECURRENCE=sequential|chunked|fused` overrides the choice (for
+    /// there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused` overrides the choice (for
     /// benchmarks and tests).
     pub fn choose(rec: &Recurrence) -> Kernel {
         static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
         let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
             Ok("chunked") => Some(Kernel::Chunked),
+            Ok("chunked-kernels") => Some(Kernel::ChunkedKernels),
             Ok("sequential") => Some(Kernel::Sequential),
             Ok("fused") => Some(Kernel::Fused),
             _ => None,
@@ -486,8 +493,13 @@ impl Kernel {
             .flatten()
             .any(Tensor::track_op)
             && !super::no_gradients();
+        let gpu = !rec.q.device().is_cpu();
+        // Off the CPU the chunked form walks its chunks in statecut's own kernels, whose state
+        // tiles hold up to `MAX_WALK_DK` key rows.
+        let walkable = gpu && rec.q.dim(3).is_ok_and(|dk| dk <= super::chunk_walk::MAX_DK);
+        let chunked = if walkable { Kernel::ChunkedKernels } else { Kernel::Chunked };
         let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if tracked {
-            Kernel::Chunked
+            chunked
         } else if rec.q.device().is_cpu() {
             Kernel::Sequential
         } else {
@@ -497,8 +509,8 @@ impl Kernel {
             // The fused op has no backward: a tracked input needs one of the other two; its CUDA
             // kernel keeps at most 32 x 32 key rows of a state column in registers.
             Kernel::Fused if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
-                if !rec.q.device().is_cpu() {
-                    Kernel::Chunked
+                if gpu {
+                    chunked
                 } else {
                     Kernel::Sequential
                 }
@@ -567,6 +579,7 @@ impl Recurrence<'_> {
     pub fn forward(&self) -> Result<Tensor> {
         match Kernel::choose(self) {
             Kernel::Chunked => super::chunked::forward(self)?.0.to_dtype(self.v.dtype()),
+            Kernel::ChunkedKernels => super::chunked::forward_in(self, Form::Kernels)?.0.to_dtype(self.v.dtype()),
             Kernel::Fused => self.fused_with_state()?.0.to_dtype(self.v.dtype()),
             Kernel::Sequential => self.forward_sequential(),
         }
@@ -634,6 +647,7 @@ impl Recurrence<'_> {
     pub fn forward_with_state(&self) -> Result<(Tensor, Tensor)> {
         let (o, s) = match Kernel::choose(self) {
             Kernel::Chunked => super::chunked::forward(self)?,
+            Kernel::ChunkedKernels => super::chunked::forward_in(self, Form::Kernels)?,
             Kernel::Fused => self.fused_with_state()?,
             Kernel::Sequential => return self.sequential_with_state(),
         };

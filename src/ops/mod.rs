@@ -1,5 +1,6 @@
 //! Math shared by every architecture adapter: written once, reused.
 
+mod chunk_walk;
 pub mod chunked;
 pub mod conv;
 #[cfg(feature = "cuda")]
@@ -10,6 +11,7 @@ pub mod derived;
 pub mod mlp;
 pub mod norm;
 pub mod prep;
+mod triangular;
 
 use candle_core::{Layout, Result, Tensor};
 
