@@ -5,6 +5,7 @@
 #   scripts/gpu_bench.sh BUNDLE OUT STAGE...
 #
 # BUNDLE holds statecut.xz (release binary), gpu_parity.xz (the CUDA parity test binary),
+# recurrence.xz (the recurrence bench binary),
 # whl/ (fla wheels), tokenizer/ (tokenizer files for the random checkpoints), shared/ (reference
 # models and data/calib/wiki.jsonl). Every stage writes its
 # log and JSON under OUT as it finishes. Stages:
@@ -39,6 +40,9 @@
 #   grad:NAME             statecut prune --method grad --ratio 0.5 (gradients of the LM loss through the
 #                         backward pass) on GRAD_SAMPLES x 2048 tokens (default 128, several counts with
 #                         spaces; GRAD_BATCH sets --batch-size): wall time, peak GPU memory, stage seconds
+#   mixer:SHAPE/DECAY     the recurrence alone at SHAPE = B,T,H,DK,DV with DECAY none|head|channel,
+#                         forward and forward + backward: statecut's forms (BUNDLE/recurrence.xz, built
+#                         from benches/recurrence.rs) and fla's chunk kernels (scripts/recurrence_reference.py)
 #   recover:NAME          recovery fine-tuning of NAME pruned at 0.5 (drrqr, 8 calibration sequences) from
 #                         the unpruned NAME, RECOVER_STEPS steps (default 6) of RECOVER_BATCH x 2048 tokens
 #                         (default 16): statecut recover, then the recipe in PyTorch + PEFT
@@ -64,7 +68,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
 export PYTHONPATH=/tmp/site
 LIBS=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="$LIBS:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for b in statecut statecut_before gpu_parity; do
+for b in statecut statecut_before gpu_parity recurrence; do
   [ -f "$BUNDLE/$b.xz" ] && xz -dc "$BUNDLE/$b.xz" > /tmp/$b && chmod +x /tmp/$b
 done
 SC=/tmp/statecut
@@ -284,6 +288,18 @@ PY
         # fla's kernels ran the whole fine-tune: the plain-PyTorch rule is not needed
         python3 -c 'import json, sys; sys.exit("error" in json.load(open(sys.argv[1])))' "$ref.json" 2>/dev/null && break
       done ;;
+    mixer:*)
+      # name = SHAPE/DECAY, e.g. mixer:16,2048,16,128,128/head: the recurrence alone, statecut's
+      # forms (benches/recurrence.rs) then fla's chunk kernels, in one process each.
+      shape=${name%/*}; decay=${name#*/}; tag=$(echo "${shape}_$decay" | tr , x)
+      /tmp/recurrence --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} \
+        > "$OUT/mixer_$tag.jsonl" 2> "$OUT/mixer_$tag.log"
+      python3 scripts/recurrence_reference.py --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} \
+        >> "$OUT/mixer_$tag.jsonl" 2>> "$OUT/mixer_$tag.log"
+      python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); print("%32s %17s %s" % (r["form"], r["pass"], r.get("ms", r.get("error"))))' "$OUT/mixer_$tag.jsonl"
+      tail -2 "$OUT/mixer_$tag.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
   tar -czf "$DEST/results.tgz" -C "$OUT" .

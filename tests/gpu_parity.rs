@@ -285,10 +285,89 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                     let (o, s) = run(&gpu, Kernel::Chunked);
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
                     assert!(eo < 1e-4 && es < 1e-4, "{what} chunked: outputs differ by {eo:.3e}, state by {es:.3e}");
+                    if dk <= 256 {
+                        let (o, s) = run(&gpu, Kernel::ChunkedKernels);
+                        let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
+                        assert!(
+                            eo < 1e-5 && es < 1e-5,
+                            "{what} chunk kernels: outputs differ by {eo:.3e}, state by {es:.3e}"
+                        );
+                    }
                 }
             }
         }
-        eprintln!("recurrence dk {dk} dv {dv}: cuda fused and chunked forms match the cpu kernel");
+        eprintln!("recurrence dk {dk} dv {dv}: cuda fused and chunked forms (and chunk kernels) match the cpu kernel");
+    }
+}
+
+/// The chunk kernels' gradients on the GPU (float32 and bf16 inputs) against the composed
+/// chunked form's on the CPU (its solve in float64), for every input, the initial state
+/// included: ragged and single-step lengths, pruned widths, dk ≠ dv, each decay kind, both rules.
+#[test]
+fn chunk_kernel_gradients_match_cpu() {
+    use candle_core::Var;
+    let (gpu, cpu) = (gpu(), Device::Cpu);
+    let (b, h) = (2, 3);
+    for (dk, dv, t) in [(48, 64, 130), (96, 128, 64), (128, 96, 1), (64, 64, 200), (256, 40, 70)] {
+        for decay in 0..4 {
+            for rule in [Rule::Delta, Rule::Plain] {
+                let rand = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, &cpu).unwrap();
+                let k = rand(&[b, t, h, dk]);
+                let k = k.broadcast_div(&k.sqr().unwrap().sum_keepdim(3).unwrap().sqrt().unwrap()).unwrap();
+                let inputs = [
+                    rand(&[b, t, h, dk]),
+                    k,
+                    rand(&[b, t, h, dv]),
+                    candle_nn::ops::sigmoid(&rand(&[b, t, h])).unwrap(),
+                    (candle_nn::ops::sigmoid(&rand(&[b, t, h])).unwrap() * -0.5).unwrap(),
+                    (candle_nn::ops::sigmoid(&rand(&[b, t, h, dk])).unwrap() * -0.3).unwrap(),
+                    (rand(&[b, h, dk, dv]) * 0.1).unwrap(),
+                ];
+                let (wo, ws) = (rand(&[b, t, h, dv]), rand(&[b, h, dk, dv]));
+                for dtype in [DType::F32, DType::BF16] {
+                    let run = |dev: &Device, kernel: Kernel| -> Vec<Vec<f32>> {
+                        let vars: Vec<Var> = inputs
+                            .iter()
+                            .map(|x| Var::from_tensor(&x.to_dtype(dtype).unwrap().to_device(dev).unwrap()).unwrap())
+                            .collect();
+                        let x: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                        let rec = Recurrence {
+                            q: x[0],
+                            k: x[1],
+                            v: x[2],
+                            beta: x[3],
+                            g: (decay == 1 || decay == 2).then_some(x[4]),
+                            gk: (decay >= 2).then_some(x[5]),
+                            scale: 0.37,
+                            rule,
+                            initial: Some(x[6]),
+                        };
+                        let (o, s) = Kernel::scoped(kernel, || rec.forward_with_state()).unwrap();
+                        let on = |w: &Tensor| w.to_device(dev).unwrap();
+                        let loss = ((o.to_dtype(DType::F32).unwrap() * on(&wo)).unwrap().sum_all().unwrap()
+                            + (s * on(&ws)).unwrap().sum_all().unwrap())
+                        .unwrap();
+                        let store = loss.backward().unwrap();
+                        vars.iter().map(|v| store.get(v.as_tensor()).map(flat).unwrap_or_default()).collect()
+                    };
+                    let want = run(&cpu, Kernel::Chunked);
+                    let got = run(&gpu, Kernel::ChunkedKernels);
+                    // The recurrence runs in float32 either way; bf16 gradients are rounded to bf16
+                    // (a relative step of 2^-8) after it.
+                    let bound = if dtype == DType::F32 { 1e-4 } else { 1e-2 };
+                    for (name, (g, w)) in ["q", "k", "v", "beta", "g", "gk", "s0"].iter().zip(got.iter().zip(&want)) {
+                        assert_eq!(g.len(), w.len(), "d{name}: presence");
+                        if w.is_empty() {
+                            continue;
+                        }
+                        let e = common::rel_err(g, w);
+                        let what = format!("dk {dk} dv {dv} T {t} decay {decay} {rule:?} {dtype:?}: d{name}");
+                        assert!(e < bound, "{what} differs from the CPU's by {e:.3e}");
+                    }
+                }
+            }
+        }
+        eprintln!("chunk kernels dk {dk} dv {dv} T {t}: gradients match the cpu's composed form");
     }
 }
 

@@ -200,7 +200,9 @@ impl CustomOp3 for Walk {
         let d = self.0;
         let tiles = d.tiles(grad.device());
         let back = WalkBack { d, kk: kk.clone(), extra: extra.clone(), res: res.clone() };
+        crate::profile::mark("backward: before the walk", grad.device());
         let out = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?;
+        crate::profile::mark("backward: walk", grad.device());
         let kkw = d.kk_width();
         let lens = [d.u_len(), tiles * d.n * d.bh * d.c * kkw, tiles * d.n * d.bh * d.dk, d.state_len()];
         let mut at = 0;
@@ -213,7 +215,9 @@ impl CustomOp3 for Walk {
         let dkk = parts.next().expect("four parts")?.reshape((tiles, d.n, d.bh, d.c, kkw))?.sum(0)?;
         let da = parts.next().expect("four parts")?.reshape((tiles, d.n * d.bh * d.dk))?.sum(0)?;
         let ds0 = parts.next().expect("four parts")?;
-        Ok((Some(dw), Some(dkk), Some(Tensor::cat(&[ds0, da], 0)?)))
+        let extra = Tensor::cat(&[ds0, da], 0)?;
+        crate::profile::mark("backward: walk tiles summed", grad.device());
+        Ok((Some(dw), Some(dkk), Some(extra)))
     }
 }
 

@@ -71,25 +71,28 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     // Short inputs (decoding) use one power-of-two chunk; the product form needs C = 2^m.
     let c = CHUNK.min(t.next_power_of_two());
     let n = t.div_ceil(c);
+    let mark = |stage| crate::profile::mark(stage, dev);
+    mark("chunked: before");
 
     let q = (chunks(rec.q, c)? * rec.scale)?;
     let k = chunks(rec.k, c)?;
     let v = chunks(rec.v, c)?;
     let scalar = |x: &Tensor| chunks(&x.unsqueeze(3)?, c)?.squeeze(3); // [N,BH,C]
     let beta = scalar(rec.beta)?;
-    let gamma = match rec.g {
-        Some(g) => scalar(g)?.cumsum(2)?,
-        None => Tensor::zeros((n, b * h, c), DType::F32, dev)?,
-    };
+    mark("chunked: inputs to chunks");
 
-    // D = exp(γ_t − γ_j) on and below the diagonal. Masking the exponent to −∞ above it keeps
-    // exp finite there (γ_t − γ_j > 0 can overflow) and its gradient zero.
-    let above = mask(c, dev, |t, j| j <= t, 0.0, f32::NEG_INFINITY)?;
-    let diff = gamma.unsqueeze(3)?.broadcast_sub(&gamma.unsqueeze(2)?)?;
-    let decay = diff.broadcast_add(&above)?.exp()?; // [N,BH,C,C]
-    let e_gamma = gamma.exp()?.unsqueeze(3)?; // [N,BH,C,1]
-    let last = gamma.narrow(2, c - 1, 1)?; // [N,BH,1]
-    let to_end = last.broadcast_sub(&gamma)?.exp()?.unsqueeze(3)?; // e^{γ_C − γ_t}
+    // Without a gate every decay factor is 1 (exactly, as exp(0) is): skipped, D is the mask.
+    let decays = rec.g.map(|g| Decays::of(&scalar(g)?, c)).transpose()?;
+    let causal = mask(c, dev, |t, j| j <= t, 1.0, 0.0)?;
+    let weigh = |x: Tensor| match &decays {
+        Some(d) => x * &d.decay,
+        None => x.broadcast_mul(&causal),
+    };
+    let scaled = |x: &Tensor, f: fn(&Decays) -> &Tensor| match &decays {
+        Some(d) => x.broadcast_mul(f(d)),
+        None => Ok(x.clone()),
+    };
+    mark("chunked: decays");
 
     let k_t = k.t()?.contiguous()?; // [N,BH,dk,C]
     let v_beta = v.broadcast_mul(&beta.unsqueeze(3)?)?;
@@ -99,7 +102,8 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
         Rule::Delta => {
             let k_beta = k.broadcast_mul(&beta.unsqueeze(3)?)?;
             let strict = mask(c, dev, |t, j| j < t, 1.0, 0.0)?;
-            let a = (k_beta.matmul(&k_t)? * &decay)?.broadcast_mul(&strict)?.neg()?;
+            let a = weigh(k_beta.matmul(&k_t)?)?.broadcast_mul(&strict)?.neg()?;
+            mark("chunked: A");
             // In float64: repeated squaring in float32 loses the un-gated DeltaNet's trained keys
             // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost. Forward
             // substitution is accurate in float32.
@@ -107,22 +111,28 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
                 Form::Composed => unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?,
                 Form::Kernels => super::triangular::unit_lower_inverse(&a)?,
             };
-            (inv.matmul(&v_beta)?, Some(inv.matmul(&k_beta.broadcast_mul(&e_gamma)?)?))
+            mark("chunked: solve");
+            (inv.matmul(&v_beta)?, Some(inv.matmul(&scaled(&k_beta, |d| &d.e_gamma)?)?))
         }
     };
-    let qk = (q.matmul(&k_t)? * &decay)?; // [N,BH,C,C]
-    let q_decayed = q.broadcast_mul(&e_gamma)?;
+    mark("chunked: W and Kc");
+    let qk = weigh(q.matmul(&k_t)?)?; // [N,BH,C,C]
+    let q_decayed = scaled(&q, |d| &d.e_gamma)?;
+    mark("chunked: QK");
     let s0 = match rec.initial {
         Some(s) => s.to_dtype(DType::F32)?.reshape((b * h, dk, dv))?,
         None => Tensor::zeros((b * h, dk, dv), DType::F32, dev)?,
     };
     if form == Form::Kernels {
-        let kend = k.broadcast_mul(&to_end)?; // [N,BH,C,dk]
-        let rows = last.exp()?.broadcast_as((n, b * h, dk))?;
+        let kend = scaled(&k, |d| &d.to_end)?; // [N,BH,C,dk]
+        let rows = match &decays {
+            Some(d) => d.last.exp()?.broadcast_as((n, b * h, dk))?,
+            None => Tensor::ones((n, b * h, dk), DType::F32, dev)?,
+        };
         return walked(rec, (&w, kc.as_ref(), &kend, &s0, &rows), &q_decayed, &qk);
     }
-    let k_to_end = k.broadcast_mul(&to_end)?.t()?.contiguous()?; // [N,BH,dk,C]
-    let chunk_decay = last.exp()?.unsqueeze(3)?; // [N,BH,1,1]
+    let k_to_end = scaled(&k, |d| &d.to_end)?.t()?.contiguous()?; // [N,BH,dk,C]
+    let chunk_decay = decays.as_ref().map(|d| d.last.exp()?.unsqueeze(3)).transpose()?; // [N,BH,1,1]
 
     let mut s = s0;
     let mut outs = Vec::with_capacity(n);
@@ -132,12 +142,45 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
             None => w.get(i)?,
         };
         outs.push((q_decayed.get(i)?.matmul(&s)? + qk.get(i)?.matmul(&u)?)?);
-        s = (s.broadcast_mul(&chunk_decay.get(i)?)? + k_to_end.get(i)?.matmul(&u)?)?;
+        if let Some(cd) = &chunk_decay {
+            s = s.broadcast_mul(&cd.get(i)?)?;
+        }
+        s = (s + k_to_end.get(i)?.matmul(&u)?)?;
     }
     // [N,B·H,C,dv] -> [B,T,H,dv]
     let o = Tensor::stack(&outs, 0)?.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
     let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
+}
+
+/// The decay factors of one gated recurrence in chunks, from the in-chunk cumulative log decay γ.
+struct Decays {
+    /// D = exp(γ_t − γ_j) on and below the diagonal, 0 above [N,BH,C,C]
+    decay: Tensor,
+    /// e^γ [N,BH,C,1]
+    e_gamma: Tensor,
+    /// γ_C [N,BH,1]
+    last: Tensor,
+    /// e^{γ_C − γ_t} [N,BH,C,1]
+    to_end: Tensor,
+}
+
+impl Decays {
+    /// From the per-step log decays g [N,BH,C].
+    fn of(g: &Tensor, c: usize) -> Result<Decays> {
+        let gamma = g.cumsum(2)?;
+        // Masking the exponent to −∞ above the diagonal keeps exp finite there (γ_t − γ_j > 0
+        // can overflow) and its gradient zero.
+        let above = mask(c, g.device(), |t, j| j <= t, 0.0, f32::NEG_INFINITY)?;
+        let diff = gamma.unsqueeze(3)?.broadcast_sub(&gamma.unsqueeze(2)?)?;
+        let last = gamma.narrow(2, c - 1, 1)?;
+        Ok(Decays {
+            decay: diff.broadcast_add(&above)?.exp()?,
+            e_gamma: gamma.exp()?.unsqueeze(3)?,
+            to_end: last.broadcast_sub(&gamma)?.exp()?.unsqueeze(3)?,
+            last,
+        })
+    }
 }
 
 /// The walk's inputs (W, Kc, Kend, S₀, per-row decay) in float32.
@@ -153,11 +196,17 @@ fn walked(
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, h, dk) = rec.q.dims4()?;
     let (n, _, c, dv) = w.dims4()?;
+    let mark = |stage| crate::profile::mark(stage, w.device());
+    mark("chunked: walk inputs");
     let (u, states) = super::chunk_walk::walk(w, kc, kend, s0, rows)?;
+    mark("chunked: walk");
     let o = (q_decayed.matmul(&states.narrow(0, 0, n)?)? + qk.matmul(&u)?)?; // [N,BH,C,dv]
+    mark("chunked: output products");
     let o = o.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
     let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
-    Ok((o.contiguous()?, states.get(n)?.reshape((b, h, dk, dv))?))
+    let o = o.contiguous()?;
+    mark("chunked: output layout");
+    Ok((o, states.get(n)?.reshape((b, h, dk, dv))?))
 }
 
 /// The inverse (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) in float64.

@@ -494,3 +494,129 @@ pub fn qkv_prep(
     per_dtype!(x.dtype(), "qkv_prep", "recurrence inputs", launch);
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+/// A tensor's storage and layout as a CUDA one, or an error naming `what`.
+pub fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout, what: &str) -> Result<(&'a CudaStorage, &'a Layout)> {
+    match s {
+        candle_core::Storage::Cuda(c) => Ok((c, l)),
+        _ => candle_core::bail!("{what}: every input must be on the GPU"),
+    }
+}
+
+/// Allow `func` up to `bytes` of dynamic shared memory (above the default 48 KiB on request).
+fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+    if bytes > 48 * 1024 {
+        func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()?;
+    }
+    Ok(())
+}
+
+/// `unit_lower_inverse_f32`: (I − A)⁻¹ of every float32 [C, C] matrix of a contiguous input.
+pub fn unit_lower_inverse(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device().clone();
+    let c = l.dims().last().copied().unwrap_or(1);
+    if c > 64 {
+        candle_core::bail!("triangular inverse: chunks of {c} are above the kernel's 64");
+    }
+    let a = view::<f32>((s, l), "triangular inverse")?;
+    let m = l.shape().elem_count() / (c * c).max(1);
+    // About 64 threads per block whatever the chunk: several small matrices share one.
+    let per = (64 / c).max(1);
+    let smem = per * 2 * c * (c + 1) * 4;
+    let func = function(&dev, "unit_lower_inverse_f32")?;
+    shared_memory(&func, smem)?;
+    // SAFETY: the kernel writes every element of every matrix.
+    let out = unsafe { dev.alloc::<f32>(m * c * c)? };
+    let cfg = LaunchConfig {
+        grid_dim: (m.div_ceil(per) as u32, 1, 1),
+        block_dim: ((per * c) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (m, c, per) = (m as i64, c as i32, per as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&a).arg(&out).arg(&m).arg(&c).arg(&per);
+    // SAFETY: argument list matches `unit_lower_inverse_f32` in kernels.cu; out holds m C x C.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), l.shape().clone()))
+}
+
+/// The launch grid of the chunk walk: column tiles x heads, 256 threads.
+fn walk_config(d: &super::chunk_walk::WalkDims, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (d.dv.div_ceil(super::chunk_walk::TILE) as u32, d.bh as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+/// `chunk_walk_fwd_f32`: U then every chunk-start state, flat (see `ops::chunk_walk`).
+pub fn chunk_walk(d: &super::chunk_walk::WalkDims, w: Input, kk: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
+    if d.dk > super::chunk_walk::MAX_DK || d.c > 64 {
+        candle_core::bail!("chunk walk: key width {} or chunk {} above the kernels' 256 and 64", d.dk, d.c);
+    }
+    let dev = w.0.device().clone();
+    let (w, kk, extra) =
+        (view::<f32>(w, "chunk walk")?, view::<f32>(kk, "chunk walk")?, view::<f32>(extra, "chunk walk")?);
+    let state = d.bh * d.dk * d.dv;
+    let (s0, a) = (extra.slice(..state), extra.slice(state..));
+    // SAFETY: the kernel writes every U element and every state (S_0 included).
+    let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
+    let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
+    let smem = (d.dk + d.c) * (super::chunk_walk::TILE + 1) * 4;
+    let func = function(&dev, "chunk_walk_fwd_f32")?;
+    shared_memory(&func, smem)?;
+    let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&w).arg(&kk).arg(&s0).arg(&a).arg(&u_out).arg(&states);
+    for v in &ints {
+        builder.arg(v);
+    }
+    // SAFETY: argument list matches `chunk_walk_fwd_f32` in kernels.cu; buffers sized by WalkDims.
+    unsafe { builder.launch(walk_config(d, smem)) }.w()?;
+    let n = d.u_len() + d.states_len();
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}
+
+/// `chunk_walk_bwd_f32`: dW, the per-tile dKK and da, then ds0, flat (see `ops::chunk_walk`).
+pub fn chunk_walk_back(
+    d: &super::chunk_walk::WalkDims,
+    grad: Input,
+    kk: Input,
+    extra: Input,
+    res: Input,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = grad.0.device().clone();
+    let grad = view::<f32>(grad, "chunk walk backward")?;
+    let (kk, extra, res) =
+        (view::<f32>(kk, "chunk walk")?, view::<f32>(extra, "chunk walk")?, view::<f32>(res, "chunk walk")?);
+    let state = d.bh * d.dk * d.dv;
+    let a = extra.slice(state..);
+    let (u, states) = (res.slice(..d.u_len()), res.slice(d.u_len()..));
+    let (gu, gs) = (grad.slice(..d.u_len()), grad.slice(d.u_len()..));
+    let tiles = d.dv.div_ceil(super::chunk_walk::TILE);
+    let (lw, lk, la) = (d.u_len(), tiles * d.n * d.bh * d.c * d.kk_width(), tiles * d.n * d.bh * d.dk);
+    // SAFETY: the kernel writes all of dW, every tile's dKK (both halves under the delta rule)
+    // and da, and ds0.
+    let out = unsafe { dev.alloc::<f32>(lw + lk + la + state)? };
+    let (dw, dkk, da, ds0) =
+        (out.slice(..lw), out.slice(lw..lw + lk), out.slice(lw + lk..lw + lk + la), out.slice(lw + lk + la..));
+    let smem = 2 * (d.dk + d.c) * (super::chunk_walk::TILE + 1) * 4;
+    let func = function(&dev, "chunk_walk_bwd_f32")?;
+    shared_memory(&func, smem)?;
+    let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&kk).arg(&a).arg(&u).arg(&states).arg(&gu).arg(&gs).arg(&dw).arg(&dkk).arg(&da).arg(&ds0);
+    for v in &ints {
+        builder.arg(v);
+    }
+    // SAFETY: argument list matches `chunk_walk_bwd_f32` in kernels.cu; buffers sized above.
+    unsafe { builder.launch(walk_config(d, smem)) }.w()?;
+    let n = lw + lk + la + state;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}

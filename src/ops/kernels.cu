@@ -659,3 +659,152 @@ __device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const 
 ADD_RMS(add_rms_f32, float)
 ADD_RMS(add_rms_bf16, __nv_bfloat16)
 ADD_RMS(add_rms_f16, __half)
+
+// (I − A)⁻¹ of strictly lower triangular float32 matrices A [m, c, c] (c ≤ 64; entries on and
+// above the diagonal are ignored), by forward substitution: column `col` of T solves
+// (I − A) x = e_col on its own, x_i = [i = col] + Σ_{col≤j<i} A_ij x_j, so one thread owns a
+// column and no thread waits for another. `per` matrices per block, c threads each; A and T in
+// shared memory (row stride c + 1: the threads of a warp read A_ij along a row and T_jc down
+// their columns without bank conflicts).
+extern "C" __global__ void unit_lower_inverse_f32(const float *a, float *out, long long m, int c, int per) {
+  extern __shared__ float lsm[];
+  const int p = c + 1;
+  const int local = threadIdx.x / c, col = threadIdx.x % c;
+  const long long first = (long long)blockIdx.x * per;
+  for (int e = threadIdx.x; e < per * c * c; e += blockDim.x) {
+    const int lm = e / (c * c), ij = e % (c * c);
+    const long long gm = first + lm;
+    lsm[lm * 2 * c * p + (ij / c) * p + ij % c] = gm < m ? a[gm * c * c + ij] : 0.0f;
+  }
+  __syncthreads();
+  const long long mat = first + local;
+  if (local >= per || mat >= m) return;
+  const float *A = lsm + local * 2 * c * p;
+  float *T = lsm + local * 2 * c * p + c * p;
+  for (int i = 0; i < c; ++i) {
+    float x = i == col ? 1.0f : 0.0f;
+    for (int j = col; j < i; ++j) x += A[i * p + j] * T[j * p + col];
+    T[i * p + col] = x;
+    out[(mat * c + i) * c + col] = x;
+  }
+}
+
+// The walk over chunks of the chunked delta rule (src/ops/chunk_walk.rs has the math and the CPU
+// half). Grid (column tiles of WALK_TV state columns, B·H); 256 threads = WALK_TV columns x
+// WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] and of the chunk's
+// U [c, WALK_TV] in shared memory (row stride WALK_TV + 1); the packed keys kk [N, BH, c, kkw]
+// (Kc at column 0 under the delta rule, Kend at `koff`) are read through the cache: every thread
+// of a warp reads the same key element, one broadcast per load.
+#define WALK_TV 32
+#define WALK_RG 8
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_walk_fwd_f32(const float *w, const float *kk, const float *s0, const float *a, float *u_out,
+                       float *states, int n, int bh, int c, int dk, int dv, int delta) {
+  extern __shared__ float wsm[];
+  const int P = WALK_TV + 1;
+  float *S = wsm, *U = wsm + dk * P;
+  const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
+  const int h = blockIdx.y, col = blockIdx.x * WALK_TV + tx;
+  const bool ok = col < dv;
+  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
+  for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? s0[((long long)h * dk + r) * dv + col] : 0.0f;
+  __syncthreads();
+  for (int i = 0; i < n; ++i) {
+    const long long blk = (long long)i * bh + h;
+    if (ok)
+      for (int r = ty; r < dk; r += WALK_RG) states[(blk * dk + r) * dv + col] = S[r * P + tx];
+    const float *ki = kk + blk * c * kkw;
+    // U = W − Kc S
+    for (int t = ty; t < c; t += WALK_RG) {
+      float x = ok ? w[(blk * c + t) * dv + col] : 0.0f;
+      if (delta) {
+        const float *kr = ki + (long long)t * kkw;
+#pragma unroll 8
+        for (int r = 0; r < dk; ++r) x -= __ldg(kr + r) * S[r * P + tx];
+      }
+      U[t * P + tx] = x;
+      if (ok) u_out[(blk * c + t) * dv + col] = x;
+    }
+    __syncthreads();
+    // S ← diag(a) S + Kendᵀ U
+    const float *ai = a + blk * dk;
+    for (int r = ty; r < dk; r += WALK_RG) {
+      float x = __ldg(ai + r) * S[r * P + tx];
+#pragma unroll 8
+      for (int t = 0; t < c; ++t) x += __ldg(ki + (long long)t * kkw + koff + r) * U[t * P + tx];
+      S[r * P + tx] = x;
+    }
+    __syncthreads();
+  }
+  if (ok)
+    for (int r = ty; r < dk; r += WALK_RG) states[(((long long)n * bh + h) * dk + r) * dv + col] = S[r * P + tx];
+}
+
+// Its backward: the chunks in reverse, G (the gradient reaching S_{i+1}) in shared memory beside
+// S_i, U_i and dU_i. dW is written per column; dKc, dKend and da sum over columns, so each
+// block writes its tile's part of them (dkk [tiles, N, BH, c, kkw], da [tiles, N, BH, dk]) and
+// the caller adds the tiles. Columns past dv hold zeros throughout, so they add nothing.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_walk_bwd_f32(const float *kk, const float *a, const float *u, const float *states, const float *gu,
+                       const float *gs, float *dw, float *dkk, float *da, float *ds0, int n, int bh, int c, int dk,
+                       int dv, int delta) {
+  extern __shared__ float wsm[];
+  const int P = WALK_TV + 1;
+  float *G = wsm, *S = G + dk * P, *U = S + dk * P, *dU = U + c * P;
+  const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
+  const int h = blockIdx.y, tile = blockIdx.x, col = tile * WALK_TV + tx;
+  const bool ok = col < dv;
+  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
+  const long long part = (long long)tile * n * bh;
+  for (int r = ty; r < dk; r += WALK_RG)
+    G[r * P + tx] = ok ? gs[(((long long)n * bh + h) * dk + r) * dv + col] : 0.0f;
+  for (int i = n - 1; i >= 0; --i) {
+    const long long blk = (long long)i * bh + h;
+    const float *ki = kk + blk * c * kkw;
+    for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? states[(blk * dk + r) * dv + col] : 0.0f;
+    for (int t = ty; t < c; t += WALK_RG) U[t * P + tx] = ok ? u[(blk * c + t) * dv + col] : 0.0f;
+    __syncthreads();
+    // dU = gU + Kend G
+    for (int t = ty; t < c; t += WALK_RG) {
+      float x = ok ? gu[(blk * c + t) * dv + col] : 0.0f;
+      const float *kr = ki + (long long)t * kkw + koff;
+#pragma unroll 8
+      for (int r = 0; r < dk; ++r) x += __ldg(kr + r) * G[r * P + tx];
+      dU[t * P + tx] = x;
+      if (ok) dw[(blk * c + t) * dv + col] = x;
+    }
+    __syncthreads();
+    // This tile's dKend = U Gᵀ, dKc = −dU Sᵀ and da = rowsum(S ∘ G).
+    for (int e = threadIdx.x; e < c * dk; e += blockDim.x) {
+      const int t = e / dk, r = e % dk;
+      float ke = 0.0f, kc = 0.0f;
+#pragma unroll 8
+      for (int j = 0; j < WALK_TV; ++j) {
+        ke += U[t * P + j] * G[r * P + j];
+        kc -= dU[t * P + j] * S[r * P + j];
+      }
+      float *dst = dkk + ((part + blk) * c + t) * kkw;
+      dst[koff + r] = ke;
+      if (delta) dst[r] = kc;
+    }
+    for (int r = threadIdx.x; r < dk; r += blockDim.x) {
+      float x = 0.0f;
+      for (int j = 0; j < WALK_TV; ++j) x += S[r * P + j] * G[r * P + j];
+      da[(part + blk) * dk + r] = x;
+    }
+    __syncthreads();
+    // G ← diag(a) G − Kcᵀ dU + gS_i
+    const float *ai = a + blk * dk;
+    for (int r = ty; r < dk; r += WALK_RG) {
+      float x = __ldg(ai + r) * G[r * P + tx] + (ok ? gs[(blk * dk + r) * dv + col] : 0.0f);
+      if (delta) {
+#pragma unroll 8
+        for (int t = 0; t < c; ++t) x -= __ldg(ki + (long long)t * kkw + r) * dU[t * P + tx];
+      }
+      G[r * P + tx] = x;
+    }
+    __syncthreads();
+  }
+  if (ok)
+    for (int r = ty; r < dk; r += WALK_RG) ds0[((long long)h * dk + r) * dv + col] = G[r * P + tx];
+}

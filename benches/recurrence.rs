@@ -1,0 +1,169 @@
+//! The delta-rule recurrence alone on one device, forward and forward + backward, in each of
+//! statecut's forms: the fused sequential kernel (forward only), the chunked form in candle ops,
+//! and the chunked form on statecut's chunk kernels. One JSON line per form and pass.
+//!
+//!   recurrence [--shape B,T,H,DK,DV] [--decay none|head|channel] [--rule delta|plain]
+//!              [--dtype bf16|f32] [--device cuda|cpu] [--iterations N] [--forms LIST]
+//!
+//! Keys are L2-normalised and β ∈ (0, 1) before the clock starts, as a model's mixer feeds them;
+//! the time is the recurrence's, from its inputs to its output (and back to their gradients),
+//! synchronised, the median of `--iterations` after one untimed run.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
+use std::time::Instant;
+
+struct Opts {
+    shape: [usize; 5],
+    decay: String,
+    rule: Rule,
+    dtype: DType,
+    device: Device,
+    iterations: usize,
+    forms: Vec<String>,
+}
+
+fn opts() -> Result<Opts> {
+    let mut o = Opts {
+        shape: [16, 2048, 16, 128, 128],
+        decay: "none".into(),
+        rule: Rule::Delta,
+        dtype: DType::BF16,
+        device: Device::Cpu,
+        iterations: 5,
+        forms: ["chunked-kernels", "chunked", "fused"].map(String::from).to_vec(),
+    };
+    let mut device = "cuda".to_string();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        // `cargo bench` passes --bench to every bench target.
+        if a == "--bench" {
+            continue;
+        }
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--shape" => {
+                let v: Vec<usize> = val()?.split(',').map(str::parse).collect::<Result<_, _>>()?;
+                o.shape = v.try_into().map_err(|_| anyhow::anyhow!("--shape takes B,T,H,DK,DV"))?;
+            }
+            "--decay" => o.decay = val()?,
+            "--rule" => {
+                o.rule = match val()?.as_str() {
+                    "delta" => Rule::Delta,
+                    "plain" => Rule::Plain,
+                    r => bail!("--rule {r}: delta or plain"),
+                }
+            }
+            "--dtype" => {
+                o.dtype = match val()?.as_str() {
+                    "bf16" => DType::BF16,
+                    "f32" => DType::F32,
+                    d => bail!("--dtype {d}: bf16 or f32"),
+                }
+            }
+            "--device" => device = val()?,
+            "--iterations" => o.iterations = val()?.parse()?,
+            "--forms" => o.forms = val()?.split(',').map(String::from).collect(),
+            "--help" | "-h" => {
+                println!("{}", include_str!("recurrence.rs").lines().take(9).collect::<Vec<_>>().join("\n"));
+                std::process::exit(0);
+            }
+            _ => bail!("unknown argument {a} (see --help)"),
+        }
+    }
+    if !["none", "head", "channel"].contains(&o.decay.as_str()) {
+        bail!("--decay {}: none, head or channel", o.decay);
+    }
+    o.device = if device == "cpu" { Device::Cpu } else { Device::new_cuda(0)? };
+    Ok(o)
+}
+
+fn kernel(form: &str) -> Result<Kernel> {
+    Ok(match form {
+        "chunked-kernels" => Kernel::ChunkedKernels,
+        "chunked" => Kernel::Chunked,
+        "fused" => Kernel::Fused,
+        "sequential" => Kernel::Sequential,
+        f => bail!("unknown form {f}"),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let o = opts()?;
+    let [b, t, h, dk, dv] = o.shape;
+    let dev = &o.device;
+    let rand = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, dev);
+    let k = rand(&[b, t, h, dk])?;
+    let k = k.broadcast_div(&k.sqr()?.sum_keepdim(3)?.sqrt()?)?;
+    let q = rand(&[b, t, h, dk])?;
+    let q = q.broadcast_div(&q.sqr()?.sum_keepdim(3)?.sqrt()?)?;
+    let inputs = [
+        q.to_dtype(o.dtype)?,
+        k.to_dtype(o.dtype)?,
+        rand(&[b, t, h, dv])?.to_dtype(o.dtype)?,
+        candle_nn::ops::sigmoid(&rand(&[b, t, h])?)?.to_dtype(o.dtype)?,
+        (candle_nn::ops::sigmoid(&rand(&[b, t, h])?)? * -0.1)?,
+        (candle_nn::ops::sigmoid(&rand(&[b, t, h, dk])?)? * -0.1)?,
+    ];
+    let w = rand(&[b, t, h, dv])?;
+    for form in &o.forms {
+        let kernel = kernel(form)?;
+        for backward in [false, true] {
+            if backward && kernel == Kernel::Fused {
+                continue;
+            }
+            let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
+            let run = || -> Result<()> {
+                let x: Vec<Tensor> = if backward {
+                    vars.iter().map(|v| v.as_tensor().clone()).collect()
+                } else {
+                    inputs.to_vec()
+                };
+                let rec = Recurrence {
+                    q: &x[0],
+                    k: &x[1],
+                    v: &x[2],
+                    beta: &x[3],
+                    g: (o.decay == "head").then_some(&x[4]),
+                    gk: (o.decay == "channel").then_some(&x[5]),
+                    scale: 1.0 / (dk as f64).sqrt(),
+                    rule: o.rule,
+                    initial: None,
+                };
+                let out = Kernel::scoped(kernel, || rec.forward())?;
+                if backward {
+                    let grads = (out.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+                    // The gradients are computed once they exist; reading one keeps them alive.
+                    grads.get(vars[0].as_tensor()).context("no gradient reached q")?;
+                }
+                dev.synchronize()?;
+                Ok(())
+            };
+            run()?;
+            let mut times = Vec::with_capacity(o.iterations);
+            for _ in 0..o.iterations {
+                let t0 = Instant::now();
+                run()?;
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            let line = serde_json::json!({
+                "form": form, "pass": if backward { "forward+backward" } else { "forward" },
+                "ms": median(times.clone()), "runs_ms": times,
+                "b": b, "t": t, "h": h, "dk": dk, "dv": dv, "decay": o.decay,
+                "rule": format!("{:?}", o.rule).to_lowercase(), "dtype": format!("{:?}", o.dtype).to_lowercase(),
+            });
+            println!("{line}");
+        }
+    }
+    // STATECUT_PROFILE=1: where the timed runs went, stage by stage (synchronised marks).
+    if let Some(table) = statecut::profile::report() {
+        eprintln!("{table}");
+    }
+    Ok(())
+}
