@@ -42,7 +42,9 @@
 #                         spaces; GRAD_BATCH sets --batch-size): wall time, peak GPU memory, stage seconds
 #   mixer:SHAPE/DECAY     the recurrence alone at SHAPE = B,T,H,DK,DV with DECAY none|head|channel,
 #                         forward and forward + backward: statecut's forms (BUNDLE/recurrence.xz, built
-#                         from benches/recurrence.rs) and fla's chunk kernels (scripts/recurrence_reference.py)
+#                         from benches/recurrence.rs; FORMS=a,b picks them) and fla's chunk kernels
+#                         (scripts/recurrence_reference.py; FLA=0 skips them)
+#   BEFORE=1              grad:NAME and recover:NAME also run BUNDLE/statecut_before.xz, after this build
 #   recover:NAME          recovery fine-tuning of NAME pruned at 0.5 (drrqr, 8 calibration sequences) from
 #                         the unpruned NAME, RECOVER_STEPS steps (default 6) of RECOVER_BATCH x 2048 tokens
 #                         (default 16): statecut recover, then the recipe in PyTorch + PEFT
@@ -125,17 +127,20 @@ EOF
         > "$OUT/make_$name.log" 2>&1
       tail -1 "$OUT/make_$name.log" ;;
     grad:*)
+      bins="after"; [ -x /tmp/statecut_before ] && [ "${BEFORE:-0}" = 1 ] && bins="after before"
+      for bin in $bins; do
+      exe=$SC; [ $bin = before ] && exe=/tmp/statecut_before
       for n in ${GRAD_SAMPLES:-128}; do
-        tag=${name}_$n${GRAD_BATCH:+_b$GRAD_BATCH}
+        tag=${name}_$n${GRAD_BATCH:+_b$GRAD_BATCH}; [ $bin = before ] && tag=${tag}_before
         rm -rf $CK/$name-grad
-        peak "$OUT/grad_$tag.log" $SC prune -m $CK/$name --method grad --ratio 0.5 --calib "$DATA" \
+        peak "$OUT/grad_$tag.log" $exe prune -m $CK/$name --method grad --ratio 0.5 --calib "$DATA" \
           --nsamples $n --seqlen 2048 --device cuda --dtype bf16 ${GRAD_BATCH:+--batch-size $GRAD_BATCH} \
           -o $CK/$name-grad > "$OUT/grad_$tag.json"
         echo "grad $tag: $(cat "$OUT/grad_$tag.json")"; tail -2 "$OUT/grad_$tag.log"
         python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({'seconds': r['seconds'], 'memory': r.get('memory')}))" \
           $CK/$name-grad/statecut_report.json > "$OUT/grad_${tag}_stages.json" && cat "$OUT/grad_${tag}_stages.json"
         rm -rf $CK/$name-grad
-      done ;;
+      done; done ;;
     statecut:*)
       rm -rf $CK/$name-statecut
       peak "$OUT/statecut_$name.log" $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" \
@@ -246,14 +251,17 @@ PY
     recover:*)
       [ -d $CK/$name-rp50 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 8 \
         --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-rp50 > "$OUT/recover_prune_$name.log" 2>&1
+      bins="after"; [ -x /tmp/statecut_before ] && [ "${BEFORE:-0}" = 1 ] && bins="after before"
+      for bin in $bins; do
+      exe=$SC; tag=$name; [ $bin = before ] && exe=/tmp/statecut_before && tag=${name}_before
       rm -rf $CK/$name-recovered
-      peak "$OUT/recover_statecut_$name.log" $SC recover -m $CK/$name-rp50 --teacher $CK/$name --data "$DATA" \
+      peak "$OUT/recover_statecut_$tag.log" $exe recover -m $CK/$name-rp50 --teacher $CK/$name --data "$DATA" \
         --steps ${RECOVER_STEPS:-6} --batch-size ${RECOVER_BATCH:-16} --seqlen 2048 --warmup 0 --device cuda \
-        --dtype bf16 ${RECOVER_ARGS:-} -o $CK/$name-recovered > "$OUT/recover_statecut_${name}_peak.json"
-      cp $CK/$name-recovered/statecut_recover.json "$OUT/recover_statecut_$name.json" 2>/dev/null
+        --dtype bf16 ${RECOVER_ARGS:-} -o $CK/$name-recovered > "$OUT/recover_statecut_${tag}_peak.json"
+      cp $CK/$name-recovered/statecut_recover.json "$OUT/recover_statecut_$tag.json" 2>/dev/null
       rm -rf $CK/$name-recovered
-      echo "statecut: $(cat "$OUT/recover_statecut_${name}_peak.json")"
-      python3 - "$OUT/recover_statecut_$name.json" <<'PY'
+      echo "statecut $bin: $(cat "$OUT/recover_statecut_${tag}_peak.json")"
+      python3 - "$OUT/recover_statecut_$tag.json" <<'PY'
 import json, os, sys
 if not os.path.exists(sys.argv[1]):
     sys.exit("no statecut_recover.json: see recover_statecut_*.log")
@@ -263,6 +271,7 @@ print(json.dumps({"tokens_per_second": r["tokens_per_second"], "seconds": r["sec
                   "trained_params": r["trained"]["params"], "peak_memory_gib": mem and mem / 2**30,
                   "loss": [round(h["loss"], 4) for h in r["history"]]}))
 PY
+      done
       [ "${RECOVER_REFERENCE:-1}" = 0 ] || for k in fla torch; do
         ref=$OUT/recover_reference_${name}_$k
         peak "$ref.log" python3 scripts/recover_reference.py --student $CK/$name-rp50 --teacher $CK/$name --kernel $k \
@@ -292,9 +301,9 @@ PY
       # name = SHAPE/DECAY, e.g. mixer:16,2048,16,128,128/head: the recurrence alone, statecut's
       # forms (benches/recurrence.rs) then fla's chunk kernels, in one process each.
       shape=${name%/*}; decay=${name#*/}; tag=$(echo "${shape}_$decay" | tr , x)
-      /tmp/recurrence --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} \
+      /tmp/recurrence --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} ${FORMS:+--forms $FORMS} \
         > "$OUT/mixer_$tag.jsonl" 2> "$OUT/mixer_$tag.log"
-      python3 scripts/recurrence_reference.py --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} \
+      [ "${FLA:-1}" = 0 ] || python3 scripts/recurrence_reference.py --shape "$shape" --decay "$decay" --iterations ${ITERATIONS:-5} \
         >> "$OUT/mixer_$tag.jsonl" 2>> "$OUT/mixer_$tag.log"
       python3 -c 'import json,sys
 for l in open(sys.argv[1]):

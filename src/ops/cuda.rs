@@ -506,6 +506,9 @@ pub fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout, what: &str) -> Res
 /// Allow `func` up to `bytes` of dynamic shared memory (above the default 48 KiB on request).
 fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+    if bytes > 227 * 1024 {
+        candle_core::bail!("a kernel needs {bytes} bytes of shared memory, above the 227 KiB a block may have");
+    }
     if bytes > 48 * 1024 {
         func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()?;
     }
@@ -566,7 +569,8 @@ pub fn chunk_walk(d: &super::chunk_walk::WalkDims, w: Input, kk: Input, extra: I
     // SAFETY: the kernel writes every U element and every state (S_0 included).
     let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
-    let smem = (d.dk + d.c) * (super::chunk_walk::TILE + 1) * 4;
+    // The state's and U's column tiles, and one chunk's packed keys.
+    let smem = ((d.dk + d.c) * (super::chunk_walk::TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_fwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
@@ -605,7 +609,8 @@ pub fn chunk_walk_back(
     let out = unsafe { dev.alloc::<f32>(lw + lk + la + state)? };
     let (dw, dkk, da, ds0) =
         (out.slice(..lw), out.slice(lw..lw + lk), out.slice(lw + lk..lw + lk + la), out.slice(lw + lk + la..));
-    let smem = 2 * (d.dk + d.c) * (super::chunk_walk::TILE + 1) * 4;
+    // G's and the state's column tiles, U's and dU's, and one chunk's packed keys.
+    let smem = (2 * (d.dk + d.c) * (super::chunk_walk::TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_bwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);

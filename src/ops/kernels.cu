@@ -692,48 +692,76 @@ extern "C" __global__ void unit_lower_inverse_f32(const float *a, float *out, lo
 // The walk over chunks of the chunked delta rule (src/ops/chunk_walk.rs has the math and the CPU
 // half). Grid (column tiles of WALK_TV state columns, B·H); 256 threads = WALK_TV columns x
 // WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] and of the chunk's
-// U [c, WALK_TV] in shared memory (row stride WALK_TV + 1); the packed keys kk [N, BH, c, kkw]
-// (Kc at column 0 under the delta rule, Kend at `koff`) are read through the cache: every thread
-// of a warp reads the same key element, one broadcast per load.
+// U [c, WALK_TV] in shared memory (row stride WALK_TV + 1), and stages each chunk's packed keys
+// kk [c, kkw] (Kc at column 0 under the delta rule, Kend at `koff`) there with coalesced loads:
+// in the products every thread of a warp then reads the same key element (a broadcast), and
+// each thread carries WALK_ACC independent sums so that the loads overlap.
 #define WALK_TV 32
 #define WALK_RG 8
+#define WALK_ACC 8
+
+// kk's chunk `blk` into shared memory KK [c, kkw].
+__device__ __forceinline__ void walk_stage(const float *kk, float *KK, long long blk, int c, int kkw) {
+  const float *src = kk + blk * c * kkw;
+  for (int e = threadIdx.x; e < c * kkw; e += blockDim.x) KK[e] = src[e];
+}
+
+// out[x] (x = row0 + WALK_RG i for i < WALK_ACC and x < rows) = init(x) + sign Σ_y A[x, y] B[y]
+// for one column: A read from shared memory with row stride `as` along x and `ys` along y,
+// B[y] = Bm[y * WALK_TV+1 + tx]. Rows spaced WALK_RG apart belong to this thread.
+template <typename Init>
+__device__ __forceinline__ void walk_rows(float *out, int ostride, int rows, int row0, const float *A, int xs,
+                                          int ys, int ny, const float *Bm, int tx, float sign, Init init) {
+  const int P = WALK_TV + 1;
+  for (int base = row0; base < rows; base += WALK_RG * WALK_ACC) {
+    float acc[WALK_ACC];
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) acc[i] = 0.0f;
+    for (int y = 0; y < ny; ++y) {
+      const float b = Bm[y * P + tx];
+#pragma unroll
+      for (int i = 0; i < WALK_ACC; ++i) {
+        const int x = base + WALK_RG * i;
+        if (x < rows) acc[i] += A[x * xs + y * ys] * b;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) {
+      const int x = base + WALK_RG * i;
+      if (x < rows) out[x * ostride + tx] = init(x) + sign * acc[i];
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     chunk_walk_fwd_f32(const float *w, const float *kk, const float *s0, const float *a, float *u_out,
                        float *states, int n, int bh, int c, int dk, int dv, int delta) {
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
-  float *S = wsm, *U = wsm + dk * P;
+  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
+  float *S = wsm, *U = S + dk * P, *KK = U + c * P;
   const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
   const int h = blockIdx.y, col = blockIdx.x * WALK_TV + tx;
   const bool ok = col < dv;
-  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
   for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? s0[((long long)h * dk + r) * dv + col] : 0.0f;
-  __syncthreads();
   for (int i = 0; i < n; ++i) {
     const long long blk = (long long)i * bh + h;
+    walk_stage(kk, KK, blk, c, kkw);
+    __syncthreads();
     if (ok)
       for (int r = ty; r < dk; r += WALK_RG) states[(blk * dk + r) * dv + col] = S[r * P + tx];
-    const float *ki = kk + blk * c * kkw;
     // U = W − Kc S
-    for (int t = ty; t < c; t += WALK_RG) {
-      float x = ok ? w[(blk * c + t) * dv + col] : 0.0f;
-      if (delta) {
-        const float *kr = ki + (long long)t * kkw;
-#pragma unroll 8
-        for (int r = 0; r < dk; ++r) x -= __ldg(kr + r) * S[r * P + tx];
-      }
-      U[t * P + tx] = x;
-      if (ok) u_out[(blk * c + t) * dv + col] = x;
-    }
+    const float *wi = w + blk * c * dv;
+    if (delta)
+      walk_rows(U, P, c, ty, KK, kkw, 1, dk, S, tx, -1.0f, [&](int t) { return ok ? wi[t * dv + col] : 0.0f; });
+    else
+      for (int t = ty; t < c; t += WALK_RG) U[t * P + tx] = ok ? wi[t * dv + col] : 0.0f;
     __syncthreads();
-    // S ← diag(a) S + Kendᵀ U
+    if (ok)
+      for (int t = ty; t < c; t += WALK_RG) u_out[(blk * c + t) * dv + col] = U[t * P + tx];
+    // S ← diag(a) S + Kendᵀ U (each thread reads and writes only its own rows of S)
     const float *ai = a + blk * dk;
-    for (int r = ty; r < dk; r += WALK_RG) {
-      float x = __ldg(ai + r) * S[r * P + tx];
-#pragma unroll 8
-      for (int t = 0; t < c; ++t) x += __ldg(ki + (long long)t * kkw + koff + r) * U[t * P + tx];
-      S[r * P + tx] = x;
-    }
+    walk_rows(S, P, dk, ty, KK + koff, 1, kkw, c, U, tx, 1.0f, [&](int r) { return ai[r] * S[r * P + tx]; });
     __syncthreads();
   }
   if (ok)
@@ -741,39 +769,36 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // Its backward: the chunks in reverse, G (the gradient reaching S_{i+1}) in shared memory beside
-// S_i, U_i and dU_i. dW is written per column; dKc, dKend and da sum over columns, so each
-// block writes its tile's part of them (dkk [tiles, N, BH, c, kkw], da [tiles, N, BH, dk]) and
-// the caller adds the tiles. Columns past dv hold zeros throughout, so they add nothing.
+// S_i, U_i, dU_i and the chunk's keys. dW is written per column; dKc, dKend and da sum over
+// columns, so each block writes its tile's part of them (dkk [tiles, N, BH, c, kkw], da
+// [tiles, N, BH, dk]) and the caller adds the tiles. Columns past dv hold zeros throughout, so
+// they add nothing.
 extern "C" __global__ void __launch_bounds__(256)
     chunk_walk_bwd_f32(const float *kk, const float *a, const float *u, const float *states, const float *gu,
                        const float *gs, float *dw, float *dkk, float *da, float *ds0, int n, int bh, int c, int dk,
                        int dv, int delta) {
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
-  float *G = wsm, *S = G + dk * P, *U = S + dk * P, *dU = U + c * P;
+  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
+  float *G = wsm, *S = G + dk * P, *U = S + dk * P, *dU = U + c * P, *KK = dU + c * P;
   const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
   const int h = blockIdx.y, tile = blockIdx.x, col = tile * WALK_TV + tx;
   const bool ok = col < dv;
-  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
   const long long part = (long long)tile * n * bh;
   for (int r = ty; r < dk; r += WALK_RG)
     G[r * P + tx] = ok ? gs[(((long long)n * bh + h) * dk + r) * dv + col] : 0.0f;
   for (int i = n - 1; i >= 0; --i) {
     const long long blk = (long long)i * bh + h;
-    const float *ki = kk + blk * c * kkw;
+    walk_stage(kk, KK, blk, c, kkw);
     for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? states[(blk * dk + r) * dv + col] : 0.0f;
     for (int t = ty; t < c; t += WALK_RG) U[t * P + tx] = ok ? u[(blk * c + t) * dv + col] : 0.0f;
     __syncthreads();
     // dU = gU + Kend G
-    for (int t = ty; t < c; t += WALK_RG) {
-      float x = ok ? gu[(blk * c + t) * dv + col] : 0.0f;
-      const float *kr = ki + (long long)t * kkw + koff;
-#pragma unroll 8
-      for (int r = 0; r < dk; ++r) x += __ldg(kr + r) * G[r * P + tx];
-      dU[t * P + tx] = x;
-      if (ok) dw[(blk * c + t) * dv + col] = x;
-    }
+    const float *gui = gu + blk * c * dv;
+    walk_rows(dU, P, c, ty, KK + koff, kkw, 1, dk, G, tx, 1.0f, [&](int t) { return ok ? gui[t * dv + col] : 0.0f; });
     __syncthreads();
+    if (ok)
+      for (int t = ty; t < c; t += WALK_RG) dw[(blk * c + t) * dv + col] = dU[t * P + tx];
     // This tile's dKend = U Gᵀ, dKc = −dU Sᵀ and da = rowsum(S ∘ G).
     for (int e = threadIdx.x; e < c * dk; e += blockDim.x) {
       const int t = e / dk, r = e % dk;
@@ -793,16 +818,14 @@ extern "C" __global__ void __launch_bounds__(256)
       da[(part + blk) * dk + r] = x;
     }
     __syncthreads();
-    // G ← diag(a) G − Kcᵀ dU + gS_i
+    // G ← diag(a) G − Kcᵀ dU + gS_i (each thread reads and writes only its own rows of G)
     const float *ai = a + blk * dk;
-    for (int r = ty; r < dk; r += WALK_RG) {
-      float x = __ldg(ai + r) * G[r * P + tx] + (ok ? gs[(blk * dk + r) * dv + col] : 0.0f);
-      if (delta) {
-#pragma unroll 8
-        for (int t = 0; t < c; ++t) x -= __ldg(ki + (long long)t * kkw + r) * dU[t * P + tx];
-      }
-      G[r * P + tx] = x;
-    }
+    const float *gsi = gs + blk * dk * dv;
+    auto keep = [&](int r) { return ai[r] * G[r * P + tx] + (ok ? gsi[r * dv + col] : 0.0f); };
+    if (delta)
+      walk_rows(G, P, dk, ty, KK, 1, kkw, c, dU, tx, -1.0f, keep);
+    else
+      for (int r = ty; r < dk; r += WALK_RG) G[r * P + tx] = keep(r);
     __syncthreads();
   }
   if (ok)
