@@ -120,11 +120,8 @@ fn main() -> Result<()> {
             }
             let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
             let run = || -> Result<()> {
-                let x: Vec<Tensor> = if backward {
-                    vars.iter().map(|v| v.as_tensor().clone()).collect()
-                } else {
-                    inputs.to_vec()
-                };
+                let x: Vec<Tensor> =
+                    if backward { vars.iter().map(|v| v.as_tensor().clone()).collect() } else { inputs.to_vec() };
                 let rec = Recurrence {
                     q: &x[0],
                     k: &x[1],
