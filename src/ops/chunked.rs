@@ -405,4 +405,66 @@ mod tests {
             }
         }
     }
+
+    /// The kernel form's gradients of every input, the initial state included, against central
+    /// finite differences of its own forward: for both rules and each decay kind, over a ragged
+    /// length that crosses chunks (float32, so the step is large and the bound loose).
+    #[test]
+    fn kernel_form_gradients_match_finite_differences() {
+        let x = inputs(70, 23);
+        let (wo, ws) = (
+            rand(&[2, 70, 3, 5], &mut StdRng::seed_from_u64(2), -1.0, 1.0),
+            rand(&[2, 3, 6, 5], &mut StdRng::seed_from_u64(3), -1.0, 1.0),
+        );
+        for rule in [Rule::Delta, Rule::Plain] {
+            for (gated, channels) in [(false, false), (true, false), (true, true)] {
+                let base = [&x.q, &x.k, &x.v, &x.beta, &x.g, &x.gk, &x.s0];
+                let loss = |t: &[Tensor]| -> Tensor {
+                    let rec = Recurrence {
+                        q: &t[0],
+                        k: &t[1],
+                        v: &t[2],
+                        beta: &t[3],
+                        g: gated.then_some(&t[4]),
+                        gk: channels.then_some(&t[5]),
+                        scale: 0.7,
+                        rule,
+                        initial: Some(&t[6]),
+                    };
+                    let (o, s) = forward_in(&rec, Form::Kernels).unwrap();
+                    ((o * &wo).unwrap().sum_all().unwrap() + (s * &ws).unwrap().sum_all().unwrap()).unwrap()
+                };
+                let vars: Vec<Var> = base.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                let grads = loss(&tensors).backward().unwrap();
+                let names = ["q", "k", "v", "beta", "g", "gk", "s0"];
+                let mut rng = StdRng::seed_from_u64(9);
+                for (i, name) in names.iter().enumerate() {
+                    if (i == 4 && !gated) || (i == 5 && !channels) {
+                        continue;
+                    }
+                    let grad = grads.get(vars[i].as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    let flat = base[i].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    for _ in 0..4 {
+                        let j = rng.random_range(0..flat.len());
+                        let eps = 1e-2f32;
+                        let at = |d: f32| {
+                            let mut v = flat.clone();
+                            v[j] += d;
+                            let mut t: Vec<Tensor> = base.iter().map(|t| (*t).clone()).collect();
+                            t[i] = Tensor::from_vec(v, base[i].shape(), &Device::Cpu).unwrap();
+                            loss(&t).to_scalar::<f32>().unwrap()
+                        };
+                        let fd = (at(eps) - at(-eps)) / (2.0 * eps);
+                        let err = (fd - grad[j]).abs();
+                        assert!(
+                            err < 2e-2 * (1.0 + fd.abs()),
+                            "{rule:?} gated {gated} per-channel {channels}: d{name}[{j}] {} against {fd}",
+                            grad[j]
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
