@@ -22,6 +22,7 @@ pub mod inspect;
 pub mod lambada;
 pub mod layers;
 pub mod linalg;
+pub mod model;
 pub mod ops;
 pub mod plot;
 pub mod profile;

@@ -30,9 +30,26 @@ impl Head {
 
     /// Logits, or the normed hidden state (hidden state `index`) when the observer needs none.
     pub fn forward(&self, h: &Tensor, obs: &mut dyn Observer, index: usize) -> Result<Tensor> {
-        let out = super::head(h, &self.norm, &self.lm_head, obs, index)?;
+        let out = head(h, &self.norm, &self.lm_head, obs, index)?;
         Ok(if self.scale != 1.0 && obs.needs_logits() { (out * self.scale)? } else { out })
     }
+}
+
+/// The end of every causal LM: the final norm, whose output is hidden state `index` for the
+/// observer, then the LM head's logits, or that normed hidden state itself when the observer
+/// needs no logits.
+fn head(
+    h: &Tensor,
+    norm: &crate::ops::norm::RmsNorm,
+    lm_head: &Linear,
+    obs: &mut dyn Observer,
+    index: usize,
+) -> Result<Tensor> {
+    let h = norm.forward(h)?;
+    obs.hidden(index, &h)?;
+    let out = if obs.needs_logits() { candle_core::Module::forward(lm_head, &h)? } else { h };
+    crate::profile::mark("head", out.device());
+    Ok(out)
 }
 
 /// A causal LM's stages, each loaded on demand from the weights it was opened on.
