@@ -3,7 +3,7 @@
 //! (rotate-half), GQA, an optional sliding window and an optional sigmoid output gate
 //! (Qwen3.5). The families differ only in the [`AttentionSpec`] they build from their config.
 
-use crate::arch::LayerCache;
+use crate::model::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::ops::repeat_heads;
 use anyhow::Result;

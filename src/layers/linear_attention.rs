@@ -4,7 +4,7 @@
 //! (gated) per-head RMSNorm → o_proj. The families differ only in the projection layout
 //! ([`Projections`]), the decay ([`Decay`]) and the output gate ([`OutputGate`]).
 
-use crate::arch::{LayerCache, Observer};
+use crate::model::{LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
@@ -258,7 +258,7 @@ impl LinearAttention {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
+        let o = crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
         mark("recurrence", dev);
         let out_fused = {
             let (weight, _) = self.norm.applied()?;

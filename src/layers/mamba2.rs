@@ -6,8 +6,7 @@
 //! differ only in where the sizes come from ([`Mamba2Dims`]), in the muP multipliers on the
 //! input and on the `in_proj` segments (Falcon-H1), and in the output norm.
 
-use crate::arch::{projection, LayerCache, Observer, RowSlice, SliceRole};
-use crate::checkpoint::Checkpoint;
+use crate::model::{projection, LayerCache, Observer, RowSlice, SliceRole};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
@@ -81,29 +80,6 @@ impl Mamba2Dims {
         Ok(())
     }
 
-    /// The state layout of a model of `num_layers` layers whose recurrent ones are the Mamba-2
-    /// mixers `mixers` (decoder layer, tensor prefix `…mixer.`); `has_tensor` says whether a
-    /// mixer stores its optional conv bias.
-    pub fn layout(
-        &self,
-        family: &str,
-        mixers: impl IntoIterator<Item = (usize, String)>,
-        num_layers: usize,
-        has_tensor: impl Fn(&str) -> bool,
-    ) -> crate::arch::StateLayout {
-        let layers = mixers
-            .into_iter()
-            .map(|(layer, p)| crate::arch::LayerState {
-                layer,
-                key_heads: self.groups,
-                value_heads: self.heads,
-                dv: self.head_dim,
-                slices: self.slices(&p, has_tensor(&format!("{p}conv1d.bias"))),
-            })
-            .collect();
-        crate::arch::StateLayout { family: family.into(), dk: self.state, layers, num_layers }
-    }
-
     /// Where the state's key/query channels live under `prefix` (`…mixer.`): the B and C rows of
     /// `in_proj` and the matching `conv1d` channels, each group owning N consecutive rows.
     pub fn slices(&self, prefix: &str, conv_bias: bool) -> Vec<RowSlice> {
@@ -168,16 +144,17 @@ pub struct Mamba2Mixer {
 
 impl Mamba2Mixer {
     /// The mixer under `vb` (`…mixer`), decoder layer `layer`; with `grad` in_proj is a variable.
+    /// `stored_shape` gives a checkpoint tensor's shape by name (`D` is stored as [H] or [H, P]).
     pub fn load(
         vb: VarBuilder,
         dims: &Mamba2Dims,
         layer: usize,
-        ckpt: &Checkpoint,
+        stored_shape: &dyn Fn(&str) -> Result<Vec<usize>>,
         grad: bool,
         vars: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
         let (h, p) = (dims.heads, dims.head_dim);
-        let d_shape = ckpt.info(&format!("{}.D", vb.prefix()))?.shape.iter().product::<usize>();
+        let d_shape = stored_shape(&format!("{}.D", vb.prefix()))?.iter().product::<usize>();
         let d_skip =
             if d_shape == h * p { vb.get(h * p, "D")?.reshape((h, p))? } else { vb.get(h, "D")?.reshape((h, 1))? };
         let norm = match dims.norm {
@@ -271,7 +248,7 @@ impl Mamba2Mixer {
             initial: prev_state.as_ref(),
         };
         mark("gates + l2 norms", dev);
-        let o = crate::arch::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))?;
+        let o = crate::model::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))?;
         mark("recurrence", dev);
         let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
         let y = match &self.norm {

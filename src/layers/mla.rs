@@ -3,7 +3,7 @@
 //! key part, causal softmax, and no positional embedding. Decoding caches the expanded keys
 //! and values.
 
-use crate::arch::LayerCache;
+use crate::model::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};

@@ -1,6 +1,7 @@
 //! The layer library: each kind of layer written once, parameterised by the tensor layouts and
 //! switches of the families that use it. Families (`crate::arch`) keep their configs, tensor
-//! names and wiring, and build their layers from these parts.
+//! names and wiring, and build their layers from these parts. Layers are written against the
+//! model core (`crate::model`) and import nothing from the families.
 
 pub mod attention;
 pub mod block;

@@ -3,7 +3,7 @@
 //! describe their names and switches in a [`StackSpec`] and build each layer in a closure.
 
 use super::block::Layer;
-use crate::arch::layered::{self, Head, Layers};
+use crate::model::layered::{self, Head, Layers};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{Device, Var};
@@ -28,9 +28,9 @@ pub struct StackSpec {
 }
 
 /// The untied LM head `lm_head.weight`, unless the config ties it (`tie_word_embeddings`) or the
-/// checkpoint does not store it.
-pub fn untied_head(ckpt: &crate::checkpoint::Checkpoint, tied: bool) -> Option<String> {
-    (!tied && ckpt.tensors.contains_key("lm_head.weight")).then(|| "lm_head.weight".into())
+/// checkpoint does not store it (`has_tensor` says whether it stores a tensor).
+pub fn untied_head(has_tensor: impl Fn(&str) -> bool, tied: bool) -> Option<String> {
+    (!tied && has_tensor("lm_head.weight")).then(|| "lm_head.weight".into())
 }
 
 /// Builds layer `i` under its prefix, registering gradient variables.

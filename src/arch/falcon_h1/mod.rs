@@ -208,7 +208,7 @@ impl Family for FalconH1Family {
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let c = config(ckpt)?;
         let mixers = (0..c.layers).map(|i| (i, format!("model.layers.{i}.mamba.")));
-        Ok(c.dims.layout("FalconH1", mixers, c.layers, |t| ckpt.tensors.contains_key(t)))
+        Ok(crate::arch::mamba2::mixer_layout(&c.dims, "FalconH1", mixers, c.layers, |t| ckpt.tensors.contains_key(t)))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
@@ -221,14 +221,14 @@ impl Family for FalconH1Family {
             embed: "model.embed_tokens.weight".into(),
             layer_prefix: "model.layers".into(),
             final_norm: "model.final_layernorm".into(),
-            lm_head: untied_head(ckpt, c.tie),
+            lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: c.embed_scale,
             logit_scale: c.logit_scale,
         };
         let (ckpt, grad) = (ckpt.clone(), opts.grad);
         let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
-            let mamba = Mamba2Mixer::load(l.pp("mamba"), &c.dims, i, &ckpt, grad, vars)?;
+            let mamba = Mamba2Mixer::load(l.pp("mamba"), &c.dims, i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad, vars)?;
             let attn = Attention::load(l.pp("self_attn"), &c.attention)?;
             let mixers = Sublayer::Parallel(vec![
                 (Sublayer::Mamba2(mamba), 1.0, c.ssm_out),

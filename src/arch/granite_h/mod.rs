@@ -240,7 +240,9 @@ impl Family for GraniteHybridFamily {
     fn describe_layout(&self, ckpt: &Checkpoint) -> Result<StateLayout> {
         let c = config(ckpt)?;
         let mixers = (0..c.mamba.len()).filter(|&i| c.mamba[i]).map(|i| (i, format!("model.layers.{i}.mamba.")));
-        Ok(c.dims.layout("GraniteMoeHybrid", mixers, c.mamba.len(), |t| ckpt.tensors.contains_key(t)))
+        Ok(crate::arch::mamba2::mixer_layout(&c.dims, "GraniteMoeHybrid", mixers, c.mamba.len(), |t| {
+            ckpt.tensors.contains_key(t)
+        }))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
@@ -253,7 +255,7 @@ impl Family for GraniteHybridFamily {
             embed: "model.embed_tokens.weight".into(),
             layer_prefix: "model.layers".into(),
             final_norm: "model.norm".into(),
-            lm_head: untied_head(ckpt, c.tie),
+            lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: c.embed_scale,
             logit_scale: c.logit_scale,
         };
@@ -261,7 +263,14 @@ impl Family for GraniteHybridFamily {
         let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
             let mixer = if c.mamba[i] {
-                Sublayer::Mamba2(Mamba2Mixer::load(l.pp("mamba"), &c.dims, i, &ckpt, grad, vars)?)
+                Sublayer::Mamba2(Mamba2Mixer::load(
+                    l.pp("mamba"),
+                    &c.dims,
+                    i,
+                    &|n| Ok(ckpt.info(n)?.shape.clone()),
+                    grad,
+                    vars,
+                )?)
             } else {
                 Sublayer::Attention(Attention::load(l.pp("self_attn"), &c.attention)?)
             };

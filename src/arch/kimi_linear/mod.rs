@@ -313,7 +313,7 @@ impl Family for KimiLinearFamily {
             embed: "model.embed_tokens.weight".into(),
             layer_prefix: "model.layers".into(),
             final_norm: "model.norm".into(),
-            lm_head: untied_head(ckpt, c.tie),
+            lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: 1.0,
             logit_scale: 1.0,
         };

@@ -10,8 +10,9 @@ mod model;
 
 #[cfg(test)]
 use super::SliceRole;
-use super::{Family, LoadOptions, StateLayout};
+use super::{Family, LayerState, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
+use crate::layers::mamba2::Mamba2Dims;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
@@ -27,7 +28,30 @@ fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
 /// channels of `conv1d`, each group owning N consecutive rows.
 pub fn layout_of(cfg: &Mamba2Config, has_tensor: impl Fn(&str) -> bool) -> StateLayout {
     let mixers = (0..cfg.layers).map(|l| (l, format!("backbone.layers.{l}.mixer.")));
-    cfg.dims().layout("Mamba2", mixers, cfg.layers, has_tensor)
+    mixer_layout(&cfg.dims(), "Mamba2", mixers, cfg.layers, has_tensor)
+}
+
+/// The state layout of a model of `num_layers` layers whose recurrent ones are the Mamba-2
+/// mixers `mixers` of sizes `dims` (decoder layer, tensor prefix `…mixer.`); `has_tensor` says
+/// whether a mixer stores its optional conv bias.
+pub fn mixer_layout(
+    dims: &Mamba2Dims,
+    family: &str,
+    mixers: impl IntoIterator<Item = (usize, String)>,
+    num_layers: usize,
+    has_tensor: impl Fn(&str) -> bool,
+) -> StateLayout {
+    let layers = mixers
+        .into_iter()
+        .map(|(layer, p)| LayerState {
+            layer,
+            key_heads: dims.groups,
+            value_heads: dims.heads,
+            dv: dims.head_dim,
+            slices: dims.slices(&p, has_tensor(&format!("{p}conv1d.bias"))),
+        })
+        .collect();
+    StateLayout { family: family.into(), dk: dims.state, layers, num_layers }
 }
 
 pub struct Mamba2Family;

@@ -48,7 +48,7 @@ impl Layers for Mamba2Layers {
                     l.pp("mixer"),
                     &cfg.dims(),
                     i,
-                    &self.ckpt,
+                    &|n| Ok(self.ckpt.info(n)?.shape.clone()),
                     self.grad,
                     vars,
                 )?),

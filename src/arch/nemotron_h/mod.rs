@@ -62,7 +62,9 @@ impl Family for NemotronHFamily {
         let mixers = (0..c.blocks.len())
             .filter(|&i| c.blocks[i] == BlockKind::Mamba)
             .map(|i| (i, format!("backbone.layers.{i}.mixer.")));
-        Ok(c.mamba.layout("NemotronH", mixers, c.blocks.len(), |t| ckpt.tensors.contains_key(t)))
+        Ok(crate::arch::mamba2::mixer_layout(&c.mamba, "NemotronH", mixers, c.blocks.len(), |t| {
+            ckpt.tensors.contains_key(t)
+        }))
     }
 
     fn layers(&self, ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>) -> Result<Box<dyn Layers>> {
@@ -75,7 +77,7 @@ impl Family for NemotronHFamily {
             embed: "backbone.embeddings.weight".into(),
             layer_prefix: "backbone.layers".into(),
             final_norm: "backbone.norm_f".into(),
-            lm_head: untied_head(ckpt, c.tie),
+            lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: 1.0,
             logit_scale: 1.0,
         };
@@ -83,7 +85,14 @@ impl Family for NemotronHFamily {
         let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
             let m = l.pp("mixer");
             let sublayer = match c.blocks[i] {
-                BlockKind::Mamba => Sublayer::Mamba2(Mamba2Mixer::load(m, &c.mamba, i, &ckpt, grad, vars)?),
+                BlockKind::Mamba => Sublayer::Mamba2(Mamba2Mixer::load(
+                    m,
+                    &c.mamba,
+                    i,
+                    &|n| Ok(ckpt.info(n)?.shape.clone()),
+                    grad,
+                    vars,
+                )?),
                 BlockKind::Attention => Sublayer::Attention(Attention::load(m, &c.attention)?),
                 BlockKind::Mlp => Sublayer::Mlp(Mlp::relu2(m, c.hidden, c.mlp_intermediate, c.mlp_bias)?),
                 BlockKind::Moe => Sublayer::Moe(moe(&m, &c)?),
