@@ -461,7 +461,7 @@ fn auto_batch(device: &candle_core::Device, seqlen: usize, grad: bool, hidden: u
     if grad {
         grad_batch(free, seqlen, hidden, blocks)
     } else {
-        gpu_batch(free, seqlen, hidden)
+        crate::stream::gpu_batch(free, seqlen, hidden)
     }
 }
 
@@ -475,21 +475,6 @@ const GRAD_BYTES_PER_TOKEN_PER_HIDDEN_PER_BLOCK: usize = 576;
 pub(crate) fn grad_batch(free: Option<usize>, seqlen: usize, hidden: usize, blocks: usize) -> usize {
     let per_sequence = GRAD_BYTES_PER_TOKEN_PER_HIDDEN_PER_BLOCK * seqlen.max(1) * hidden.max(1) * blocks.max(1);
     free.map_or(1, |free| (free / 2 / per_sequence).clamp(1, 16384 / seqlen.max(1)).max(1))
-}
-
-/// Bytes of activations per token of a pass, an upper bound of what the H200 runs measured at
-/// 16384 tokens per pass (1.3B to 9B models: 165-700 KB per token, one layer's activations at a
-/// time): 40 float32 values per unit of hidden width.
-const BYTES_PER_TOKEN_PER_HIDDEN: usize = 160;
-
-/// Sequences per pass on a GPU with `free` bytes free (unknown: assume enough), using at most half.
-pub(crate) fn gpu_batch(free: Option<usize>, seqlen: usize, hidden: usize) -> usize {
-    let seqlen = seqlen.max(1);
-    let mut tokens = 16384;
-    if let Some(free) = free {
-        tokens = tokens.min(free / 2 / (BYTES_PER_TOKEN_PER_HIDDEN * hidden.max(1)));
-    }
-    (tokens / seqlen).max(1)
 }
 
 impl Calibration {
@@ -803,18 +788,6 @@ mod tests {
         assert_eq!(grad_batch(Some(per), 2048, 2048, 24), 1);
         assert_eq!(grad_batch(None, 2048, 2048, 24), 1);
         assert_eq!(grad_batch(Some(usize::MAX / 2), 2048, 2048, 24), 8, "never above 16384 tokens a pass");
-    }
-
-    #[test]
-    fn gpu_batch_fits_free_memory() {
-        // Plenty free: 16384 tokens per pass.
-        assert_eq!(gpu_batch(Some(100 << 30), 2048, 4096), 8);
-        assert_eq!(gpu_batch(None, 2048, 4096), 8);
-        // A 9B model on a 24 GB card leaves ~5 GB: 5e9 / 2 / (160 * 4096) = 3814 tokens -> 1 sequence.
-        assert_eq!(gpu_batch(Some(5_000_000_000), 2048, 4096), 1);
-        assert_eq!(gpu_batch(Some(5_000_000_000), 512, 4096), 7);
-        // Never below one sequence, even when nothing is free.
-        assert_eq!(gpu_batch(Some(0), 2048, 4096), 1);
     }
 
     /// The device-buffer path (run here on CPU tensors) keeps exactly the rows `place` keeps,
