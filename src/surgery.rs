@@ -11,28 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 pub use crate::staging::{sibling_tmp, Staged};
-
-/// A tensor as raw little-endian bytes.
-pub struct RawTensor<'a> {
-    pub dtype: safetensors::Dtype,
-    pub shape: Vec<usize>,
-    pub data: Cow<'a, [u8]>,
-}
-
-impl safetensors::View for RawTensor<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
+pub use crate::torch_save::RawTensor;
 
 /// A CPU candle tensor as raw little-endian bytes in its own dtype.
 pub fn raw_of(t: &Tensor) -> Result<RawTensor<'static>> {

@@ -3,10 +3,32 @@
 //! values pass through unchanged; the pickle uses only what `torch.load(weights_only=True)`
 //! accepts (`_rebuild_tensor_v2`, typed storages, `OrderedDict`).
 
-use crate::surgery::RawTensor;
 use anyhow::{bail, Result};
+use std::borrow::Cow;
 use std::io::Write;
 use std::path::Path;
+
+/// A tensor as raw little-endian bytes.
+pub struct RawTensor<'a> {
+    pub dtype: safetensors::Dtype,
+    pub shape: Vec<usize>,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl safetensors::View for RawTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
 
 fn storage_class(dtype: safetensors::Dtype) -> Result<&'static str> {
     Ok(match dtype {
