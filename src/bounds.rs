@@ -4,8 +4,7 @@
 //! Upper bounds keep every product of two settings (tokens = windows × seqlen, ...) far from
 //! overflowing and reject values no run could use; they are well above any real setting.
 
-use crate::recipe::Recipe;
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 /// An inclusive range of whole numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,36 +112,6 @@ pub fn parse_tokens(s: &str) -> Result<u64, String> {
     }
 }
 
-/// Check a recipe's numbers against the same ranges as the flags they stand for.
-pub fn check_recipe(r: &Recipe) -> Result<()> {
-    let whole = [
-        ("nsamples", r.nsamples, COUNT),
-        ("seqlen", r.seqlen, SEQ_TOKENS),
-        ("rows", r.rows, ROWS),
-        ("round_to", r.round_to, WIDTH),
-        ("eval_windows", r.eval_windows, COUNT),
-        ("eval_seqlen", r.eval_seqlen, WINDOW_TOKENS),
-        ("prune_partitions", r.prune_partitions, WIDTH),
-    ];
-    for (key, v, bound) in whole {
-        if let Some(v) = v {
-            if let Err(e) = bound.check(v) {
-                bail!("{key} = {v}: {e}");
-            }
-        }
-    }
-    type Check = fn(f64) -> Result<f64, String>;
-    let real: [(&str, Option<f64>, Check); 2] = [("ratio", r.ratio, check_ratio), ("rrqr_f", r.rrqr_f, check_rrqr_f)];
-    for (key, v, check) in real {
-        if let Some(v) = v {
-            if let Err(e) = check(v) {
-                bail!("{key} = {v}: {e}");
-            }
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,9 +131,5 @@ mod tests {
         for bad in ["1", "0.5", "inf", "nan"] {
             assert!(parse_rrqr_f(bad).is_err(), "{bad}");
         }
-        let r = Recipe { seqlen: Some(0), ..Recipe::default() };
-        assert_eq!(check_recipe(&r).unwrap_err().to_string(), "seqlen = 0: must be a whole number from 2 to 1048576");
-        assert!(check_recipe(&Recipe { ratio: Some(1.0), ..Recipe::default() }).is_err());
-        assert!(check_recipe(&Recipe::default()).is_ok());
     }
 }

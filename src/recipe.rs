@@ -2,6 +2,7 @@
 //! paper's settings live in `configs/` and runs are reproducible. Flags given on the command
 //! line override the file.
 
+use crate::bounds::{check_ratio, check_rrqr_f, COUNT, ROWS, SEQ_TOKENS, WIDTH, WINDOW_TOKENS};
 use crate::cli::{CalibArgs, PruneArgs};
 use crate::select::{Method, ScoreOn};
 use anyhow::{bail, Context, Result};
@@ -41,9 +42,39 @@ impl Recipe {
         let r: Self = toml::from_str(&text).map_err(|e| {
             anyhow::anyhow!("{} is not a valid statecut recipe: {}", path.display(), one_line(&e.to_string()))
         })?;
-        crate::bounds::check_recipe(&r).with_context(|| format!("recipe {}", path.display()))?;
+        check_recipe(&r).with_context(|| format!("recipe {}", path.display()))?;
         Ok(r)
     }
+}
+
+/// Check a recipe's numbers against the same ranges as the flags they stand for.
+pub fn check_recipe(r: &Recipe) -> Result<()> {
+    let whole = [
+        ("nsamples", r.nsamples, COUNT),
+        ("seqlen", r.seqlen, SEQ_TOKENS),
+        ("rows", r.rows, ROWS),
+        ("round_to", r.round_to, WIDTH),
+        ("eval_windows", r.eval_windows, COUNT),
+        ("eval_seqlen", r.eval_seqlen, WINDOW_TOKENS),
+        ("prune_partitions", r.prune_partitions, WIDTH),
+    ];
+    for (key, v, bound) in whole {
+        if let Some(v) = v {
+            if let Err(e) = bound.check(v) {
+                bail!("{key} = {v}: {e}");
+            }
+        }
+    }
+    type Check = fn(f64) -> Result<f64, String>;
+    let real: [(&str, Option<f64>, Check); 2] = [("ratio", r.ratio, check_ratio), ("rrqr_f", r.rrqr_f, check_rrqr_f)];
+    for (key, v, check) in real {
+        if let Some(v) = v {
+            if let Err(e) = check(v) {
+                bail!("{key} = {v}: {e}");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A multi-line parser message (toml quotes the offending line) as one line: its last line, the
@@ -240,6 +271,14 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recipe_numbers_are_bounded() {
+        let r = Recipe { seqlen: Some(0), ..Recipe::default() };
+        assert_eq!(check_recipe(&r).unwrap_err().to_string(), "seqlen = 0: must be a whole number from 2 to 1048576");
+        assert!(check_recipe(&Recipe { ratio: Some(1.0), ..Recipe::default() }).is_err());
+        assert!(check_recipe(&Recipe::default()).is_ok());
+    }
 
     #[test]
     fn shipped_recipes_parse_and_validate() {
