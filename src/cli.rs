@@ -296,6 +296,8 @@ pub struct PruneArgs {
 /// The recipe's micro-batch: sequences and tokens per sequence.
 pub const RECOVER_BATCH: usize = 16;
 pub const RECOVER_SEQLEN: usize = 2048;
+/// What `--train` selects by default (the `mixers` plan of `crate::recover::plan`).
+pub const RECOVER_TRAIN: &str = "mixers";
 
 /// Flags of `recover` (the defaults are the recipe of *On State Reduction in Linear Attention*).
 #[derive(Debug, Clone, Args)]
@@ -396,7 +398,7 @@ pub struct RecoveryArgs {
     pub lm_weight: f64,
     /// What trains, comma-separated: mixers (adapters on the pruned mixers' q/k/v projections,
     /// their convs, norms and biases whole), lora:PATTERN, full:PATTERN.
-    #[arg(long, default_value = crate::recover::plan::DEFAULT)]
+    #[arg(long, default_value = RECOVER_TRAIN)]
     pub train: String,
     /// Stop after this many non-finite steps in a row (each is skipped).
     #[arg(long, default_value_t = 10, value_parser = COUNT.parser())]

@@ -22,8 +22,8 @@ pub enum How {
 /// The trained tensors by checkpoint name.
 pub type Plan = BTreeMap<String, How>;
 
-/// The default selection, by name.
-pub const DEFAULT: &str = "mixers";
+/// The default selection, by name (the default of `--train`).
+pub const DEFAULT: &str = crate::cli::RECOVER_TRAIN;
 
 /// Substrings of the tensors of a pruned mixer that train whole (the recipe's `conv1d`, `norm`
 /// and `bias`).
