@@ -1,8 +1,13 @@
 //! statecut: shrink and inspect the recurrent state of trained linear-attention language models.
 //!
-//! The library is organised by job: `hub`/`checkpoint` find and open weights, `arch` holds one
-//! adapter per model family behind [`arch::Family`], `ops` holds the math shared by families,
-//! `calib`/`select`/`surgery` implement pruning, and `eval`/`lambada`/`recall`/`inspect` measure models.
+//! The library is organised by job and in tiers, each importing only from the tiers below it
+//! (docs/ARCHITECTURE.md draws them; `tests/layering.rs` checks them): `hub`/`checkpoint` find
+//! and open weights; `ops` holds the math shared by families; `model` the model core (observer,
+//! decoding caches, [`model::CausalLm`], stages, load options); `layers` each kind of layer,
+//! written once; `arch` one adapter per model family behind [`arch::Family`]; `stream` runs a
+//! model layer by layer; `calib`/`select`/`surgery` implement pruning and
+//! `eval`/`lambada`/`recall`/`inspect` measure models; `cli` holds the flags and `commands`,
+//! `prune`, `bench` and `sweep` the commands built from the rest.
 
 pub mod arch;
 pub mod bench;
