@@ -15,6 +15,7 @@
 //! Columns of the state are independent, so the GPU splits them over blocks ([`TILE`] each);
 //! the terms summed over columns (dKc, dKend, da) come back per tile and are added here.
 
+use super::cpu_f32;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -62,12 +63,17 @@ impl WalkDims {
     fn state_len(&self) -> usize {
         self.bh * self.dk * self.dv
     }
+    /// Column tiles of the GPU kernels: their grid's width, and the parts of the backward's
+    /// column sums.
+    pub fn gpu_tiles(&self) -> usize {
+        self.dv.div_ceil(TILE)
+    }
     /// Column tiles of the backward on `dev`: the CPU sums every column in one pass.
     fn tiles(&self, dev: &candle_core::Device) -> usize {
         if dev.is_cpu() {
             1
         } else {
-            self.dv.div_ceil(TILE)
+            self.gpu_tiles()
         }
     }
 }
@@ -238,7 +244,7 @@ impl CustomOp1 for WalkBack {
     fn cpu_fwd(&self, grad: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = self.d;
         let grad = slice(grad, gl, "chunk walk backward")?;
-        let (kk, extra, res) = (cpu_vec(&self.kk)?, cpu_vec(&self.extra)?, cpu_vec(&self.res)?);
+        let (kk, extra, res) = (cpu_f32(&self.kk)?, cpu_f32(&self.extra)?, cpu_f32(&self.res)?);
         let a = &extra[d.state_len()..];
         let (us, states) = res.split_at(d.u_len());
         let (gu, gs) = grad.split_at(d.u_len());
@@ -330,10 +336,6 @@ impl CustomOp1 for WalkBack {
             super::cuda::on_gpu(&res.0, res.1, "chunk walk")?,
         )
     }
-}
-
-fn cpu_vec(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
 }
 
 #[cfg(test)]

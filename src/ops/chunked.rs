@@ -119,10 +119,7 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     let qk = weigh(q.matmul(&k_t)?)?; // [N,BH,C,C]
     let q_decayed = scaled(&q, |d| &d.e_gamma)?;
     mark("chunked: QK");
-    let s0 = match rec.initial {
-        Some(s) => s.to_dtype(DType::F32)?.reshape((b * h, dk, dv))?,
-        None => Tensor::zeros((b * h, dk, dv), DType::F32, dev)?,
-    };
+    let s0 = initial_state(rec, DType::F32)?;
     if form == Form::Kernels {
         let kend = scaled(&k, |d| &d.to_end)?; // [N,BH,C,dk]
         let rows = match &decays {
@@ -151,6 +148,16 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     let o = Tensor::stack(&outs, 0)?.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
     let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
+}
+
+/// The state the recurrence starts from, [B·H, dk, dv] in `dtype`: the given one or zeros.
+fn initial_state(rec: &Recurrence, dtype: DType) -> Result<Tensor> {
+    let (b, _, h, dk) = rec.q.dims4()?;
+    let dv = rec.v.dim(3)?;
+    match rec.initial {
+        Some(s) => s.to_dtype(dtype)?.reshape((b * h, dk, dv)),
+        None => Tensor::zeros((b * h, dk, dv), dtype, rec.q.device()),
+    }
 }
 
 /// The decay factors of one gated recurrence in chunks, from the in-chunk cumulative log decay γ.
@@ -261,19 +268,13 @@ fn forward_per_channel(rec: &Recurrence, gk: &Tensor, form: Form) -> Result<(Ten
         let f32 = |x: &Tensor| x.to_dtype(DType::F32);
         let kend = f32(&(&k * last.broadcast_sub(&gam)?.exp()?)?)?; // [N,BH,C,dk]
         let rows = f32(&last.exp()?.squeeze(2)?)?; // [N,BH,dk]
-        let s0 = match rec.initial {
-            Some(s) => s.to_dtype(DType::F32)?.reshape((b * h, dk, dv))?,
-            None => Tensor::zeros((b * h, dk, dv), DType::F32, dev)?,
-        };
+        let s0 = initial_state(rec, DType::F32)?;
         let (w, kc) = (f32(&w)?, kc.as_ref().map(f32).transpose()?);
         return walked(rec, (&w, kc.as_ref(), &kend, &s0, &rows), &f32(&q_hat)?, &f32(&qk)?);
     }
     let k_to_end = (&k * last.broadcast_sub(&gam)?.exp()?)?.t()?.contiguous()?; // [N,BH,dk,C]
     let chunk_decay = last.exp()?.transpose(2, 3)?; // [N,BH,dk,1]: rows of S
-    let mut s = match rec.initial {
-        Some(s) => s.to_dtype(DType::F64)?.reshape((b * h, dk, dv))?,
-        None => Tensor::zeros((b * h, dk, dv), DType::F64, dev)?,
-    };
+    let mut s = initial_state(rec, DType::F64)?;
     let mut outs = Vec::with_capacity(n);
     for i in 0..n {
         let u = match &kc {

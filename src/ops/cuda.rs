@@ -548,7 +548,7 @@ pub fn unit_lower_inverse(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, S
 /// The launch grid of the chunk walk: column tiles x heads, 256 threads.
 fn walk_config(d: &super::chunk_walk::WalkDims, smem: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (d.dv.div_ceil(super::chunk_walk::TILE) as u32, d.bh as u32, 1),
+        grid_dim: (d.gpu_tiles() as u32, d.bh as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem as u32,
     }
@@ -602,7 +602,7 @@ pub fn chunk_walk_back(
     let a = extra.slice(state..);
     let (u, states) = (res.slice(..d.u_len()), res.slice(d.u_len()..));
     let (gu, gs) = (grad.slice(..d.u_len()), grad.slice(d.u_len()..));
-    let tiles = d.dv.div_ceil(super::chunk_walk::TILE);
+    let tiles = d.gpu_tiles();
     let (lw, lk, la) = (d.u_len(), tiles * d.n * d.bh * d.c * d.kk_width(), tiles * d.n * d.bh * d.dk);
     // SAFETY: the kernel writes all of dW, every tile's dKK (both halves under the delta rule)
     // and da, and ds0.

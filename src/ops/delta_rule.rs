@@ -13,6 +13,7 @@
 //! gradients through it for the Grad selector.
 
 use super::chunked::Form;
+use super::cpu_f32;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -348,14 +349,6 @@ impl FusedOp {
     }
 }
 
-#[cfg(feature = "cuda")]
-fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout) -> Result<(&'a candle_core::CudaStorage, &'a Layout)> {
-    match s {
-        candle_core::Storage::Cuda(c) => Ok((c, l)),
-        _ => candle_core::bail!("recurrence: every input must be on the GPU"),
-    }
-}
-
 /// The packed [B,T,H,P] layout of the CPU kernels, q | k | v | beta | g | gk per token and head,
 /// from row-major [B,T,H,·] inputs (g = 0, no decay, when absent): `Recurrence::packed` on
 /// slices, for the fused op's CPU half, where no gradient flows.
@@ -373,11 +366,6 @@ fn pack(d: Dims, q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: Option<&[f32]
         }
     }
     x
-}
-
-/// The values of a float32 tensor, on the host.
-fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
 }
 
 impl CustomOp3 for FusedOp {
@@ -445,10 +433,10 @@ impl CustomOp3 for FusedOp {
             q: (q, ql),
             k: (k, kl),
             v: (v, vl),
-            beta: on_gpu(&beta.0, beta.1)?,
-            g: g.as_ref().map(|(s, l)| on_gpu(s, l)).transpose()?,
-            gk: gk.as_ref().map(|(s, l)| on_gpu(s, l)).transpose()?,
-            s0: on_gpu(&s0.0, s0.1)?,
+            beta: super::cuda::on_gpu(&beta.0, beta.1, "recurrence")?,
+            g: g.as_ref().map(|(s, l)| super::cuda::on_gpu(s, l, "recurrence")).transpose()?,
+            gk: gk.as_ref().map(|(s, l)| super::cuda::on_gpu(s, l, "recurrence")).transpose()?,
+            s0: super::cuda::on_gpu(&s0.0, s0.1, "recurrence")?,
         };
         super::cuda::recurrence(&inputs, &dims, self.in_place)
     }

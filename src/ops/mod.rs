@@ -91,6 +91,12 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     num.broadcast_div(&num.sum_keepdim(candle_core::D::Minus1)?)
 }
 
+/// The values of a float32 tensor, on the host (the custom ops' CPU halves read their extra
+/// inputs this way).
+pub(crate) fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
 /// The storage range of a contiguous layout, for the custom ops' CPU and CUDA halves; an error
 /// naming `what` otherwise.
 pub(crate) fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {
