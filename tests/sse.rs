@@ -10,9 +10,10 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde_json::{json, Value};
-use statecut::arch::sse::{Implementation, SseModel};
+use statecut::arch::sse::{self, Implementation};
 use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver, Observer, SliceRole};
 use statecut::checkpoint::Checkpoint;
+use statecut::model::layered::Resident;
 use statecut::ops::delta_rule::Kernel;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -136,8 +137,8 @@ fn assert_forms_agree(dir: &Path, ids: &Tensor) {
     assert!(common::rel_err(&logits(Implementation::Loop), &mask) < 1e-5);
 }
 
-fn open(dir: &Path, imp: Implementation) -> SseModel {
-    SseModel::open(&Checkpoint::open(dir).unwrap(), &LoadOptions::cpu_f32(), Some(imp)).unwrap()
+fn open(dir: &Path, imp: Implementation) -> Resident {
+    sse::open(&Checkpoint::open(dir).unwrap(), &LoadOptions::cpu_f32(), Some(imp)).unwrap()
 }
 
 #[test]
@@ -379,7 +380,7 @@ fn check_golden(name: &str) {
     let ckpt = Checkpoint::open(&dir).unwrap();
     assert_eq!(family_for(&ckpt).unwrap().model_types(), &["sse"]);
     for imp in [Implementation::Mask, Implementation::Varlen, Implementation::Loop] {
-        let model = SseModel::open(&ckpt, &LoadOptions::cpu_f32(), Some(imp)).unwrap();
+        let model = sse::open(&ckpt, &LoadOptions::cpu_f32(), Some(imp)).unwrap();
         // The GPU's chunked recurrence (GDN partitions; GLA keeps the sequential kernel) on the
         // masked inputs: zero keys and decays for the tokens a partition does not see.
         let chunked = Kernel::scoped(Kernel::Chunked, || model.forward(&ids, &mut NoObserver)).unwrap();
@@ -451,7 +452,7 @@ fn loss_gradients_reach_query_and_key_projections() {
     random_checkpoint(tmp.path(), true, 8);
     let ckpt = Checkpoint::open(tmp.path()).unwrap();
     let opts = LoadOptions { grad: true, ..LoadOptions::cpu_f32() };
-    let model = SseModel::open(&ckpt, &opts, None).unwrap();
+    let model = sse::open(&ckpt, &opts, None).unwrap();
     assert_eq!(model.grad_vars().len(), 4);
     let x = ids(1, 20, 2);
     let logits = model.forward(&x, &mut NoObserver).unwrap().squeeze(0).unwrap();

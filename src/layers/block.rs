@@ -1,6 +1,8 @@
 //! One decoder layer as a list of residual steps `h = h + scale · sublayer(norm(h))`: two steps
 //! (mixer, then MLP or MoE) in most families, one in Nemotron-H, where every layer is a single
-//! mixer or MLP, and a step of side-by-side mixers in Falcon-H1.
+//! mixer or MLP, and a step of side-by-side mixers in Falcon-H1. Every family's decoder layer
+//! is this one: each step's residual add is fused into the next step's norm (one kernel on
+//! GPUs when no gradient flows).
 
 use super::attention::Attention;
 use super::linear_attention::LinearAttention;
@@ -8,6 +10,7 @@ use super::mamba2::Mamba2Mixer;
 use super::mla::Mla;
 use super::mlp::Mlp;
 use super::moe::Moe;
+use super::sse::{Implementation, SseMixer};
 use crate::model::layered;
 use crate::model::{LayerCache, Observer};
 use crate::ops::norm::RmsNorm;
@@ -24,6 +27,8 @@ pub enum Sublayer {
     Mla(Mla),
     Mlp(Mlp),
     Moe(Moe),
+    /// a Sparse State Expansion layer, run in the given form
+    Sse(Box<SseMixer>, Implementation),
     /// Branches on the same normed input, each as (sublayer, input scale, output scale), summed.
     Parallel(Vec<(Sublayer, f64, f64)>),
 }
@@ -38,6 +43,7 @@ impl Sublayer {
             Sublayer::Mla(m) => m.forward(x, cache),
             Sublayer::Mlp(m) => m.forward(x),
             Sublayer::Moe(m) => m.forward(x),
+            Sublayer::Sse(m, imp) => m.forward(x, obs, *imp, cache),
             Sublayer::Parallel(branches) => {
                 let mut caches = match cache {
                     Some(c) => {
@@ -91,13 +97,24 @@ impl layered::Block for Layer {
     fn forward(&self, h: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let dev = h.device();
         let mut h = h.clone();
+        // The last step's output, added into the residual by the next step's norm.
+        let mut pending: Option<Tensor> = None;
         for s in &self.steps {
-            let x = s.norm.forward(&h)?;
+            let x = match pending.take() {
+                Some(y) => {
+                    let (sum, x) = s.norm.add_forward(&h, &y)?;
+                    h = sum;
+                    x
+                }
+                None => s.norm.forward(&h)?,
+            };
             mark("norm", dev);
             let y = s.sublayer.forward(&x, obs, cache.as_deref_mut())?;
-            let y = if s.scale != 1.0 { (y * s.scale)? } else { y };
-            h = (h + y)?;
+            pending = Some(if s.scale != 1.0 { (y * s.scale)? } else { y });
             mark(s.sublayer.label(), dev);
+        }
+        if let Some(y) = pending {
+            h = (h + y)?;
         }
         Ok(h)
     }

@@ -10,4 +10,5 @@ pub mod mamba2;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+pub mod sse;
 pub mod stack;

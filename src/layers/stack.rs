@@ -25,6 +25,11 @@ pub struct StackSpec {
     pub lm_head: Option<String>,
     pub embed_scale: f64,
     pub logit_scale: f64,
+    /// The final norm's weight form ((1 + w) in Qwen3.5).
+    pub final_norm_weight: NormWeight,
+    /// transformers' Mamba-2 convention for `hidden_states`: no embedding entry, entry i is the
+    /// residual after block i.
+    pub states_after_blocks: bool,
 }
 
 /// The untied LM head `lm_head.weight`, unless the config ties it (`tie_word_embeddings`) or the
@@ -69,7 +74,7 @@ impl Layers for Stack {
             (None, Some(e)) => e.embeddings().clone(),
             (None, None) => self.embed()?.embeddings().clone(),
         };
-        let norm = RmsNorm::load(self.vb.pp(&s.final_norm), s.hidden, s.eps, NormWeight::Plain)?;
+        let norm = RmsNorm::load(self.vb.pp(&s.final_norm), s.hidden, s.eps, s.final_norm_weight)?;
         Ok(Head { norm, lm_head: Linear::new(w, None), scale: s.logit_scale })
     }
 
@@ -79,6 +84,18 @@ impl Layers for Stack {
 
     fn embed_name(&self) -> String {
         self.spec.embed.clone()
+    }
+
+    fn hidden_after(&self, i: usize) -> Option<usize> {
+        if self.spec.states_after_blocks {
+            Some(i)
+        } else {
+            (i + 1 < self.spec.layers).then_some(i + 1)
+        }
+    }
+
+    fn reports_embeddings(&self) -> bool {
+        !self.spec.states_after_blocks
     }
 
     fn embed_scale(&self) -> f64 {

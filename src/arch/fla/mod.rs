@@ -3,7 +3,6 @@
 //! Follows fla `fla/layers/{delta_net,gated_deltanet}.py` and `fla/models/*/modeling_*.py`.
 
 mod model;
-pub mod stack;
 
 use super::layered::Layers;
 use super::{parse, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
@@ -13,7 +12,7 @@ use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
 
-pub use model::FlaModel;
+pub use model::{fla_stack, StackShape};
 
 /// Which of the two fla layers a config describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,7 +170,7 @@ fn layout(ckpt: &Checkpoint, kind: Kind) -> Result<StateLayout> {
 
 fn layers(ckpt: &Checkpoint, opts: &LoadOptions, vb: VarBuilder<'static>, kind: Kind) -> Result<Box<dyn Layers>> {
     let cfg: FlaConfig = parse(ckpt, &ckpt.config)?;
-    Ok(Box::new(FlaModel::fla_layers(vb, &cfg, cfg.dims(kind)?, opts)))
+    Ok(Box::new(model::delta_net_stack(vb, &cfg, cfg.dims(kind)?, opts)))
 }
 
 pub struct DeltaNetFamily;

@@ -1,21 +1,73 @@
-//! fla DeltaNet / Gated DeltaNet causal LMs: fla's tensor names and switches wired onto the
-//! shared linear-attention mixer.
+//! fla causal LMs: the block stack every model built from fla blocks shares (DeltaNet, Gated
+//! DeltaNet, SSE: embeddings, per layer `x + mixer(attn_norm(x))` and `x + mlp(mlp_norm(x))`,
+//! a final norm and the LM head), and fla's DeltaNet / Gated DeltaNet tensor names and switches
+//! wired onto the shared linear-attention mixer.
 
-use super::stack::{FlaLayers, FlaStack, StackShape, TokenMixer};
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{projection, LayerCache, LoadOptions, Observer};
+use crate::arch::{projection, LoadOptions};
+use crate::layers::block::{Layer, Step, Sublayer};
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
+use crate::layers::mlp::Mlp;
+use crate::layers::stack::{Stack, StackSpec};
 use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
+use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Var};
 use candle_nn::{linear_no_bias, VarBuilder};
+
+/// The sizes of an fla block stack.
+pub struct StackShape {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub norm_eps: f64,
+    pub tie_word_embeddings: bool,
+}
+
+/// The stages of an fla causal LM; `mixer(vb, i, vars)` builds layer `i`'s token mixer from its
+/// `attn` prefix and registers any gradient variables in `vars`.
+pub fn fla_stack(
+    vb: VarBuilder<'static>,
+    s: StackShape,
+    opts: &LoadOptions,
+    mixer: impl Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<Sublayer> + Send + Sync + 'static,
+) -> Stack {
+    let spec = StackSpec {
+        vocab: s.vocab,
+        hidden: s.hidden,
+        layers: s.layers,
+        eps: s.norm_eps,
+        embed: "model.embeddings.weight".into(),
+        layer_prefix: "model.layers".into(),
+        final_norm: "model.norm".into(),
+        lm_head: (!s.tie_word_embeddings).then(|| "lm_head.weight".into()),
+        embed_scale: 1.0,
+        logit_scale: 1.0,
+        final_norm_weight: NormWeight::Plain,
+        states_after_blocks: false,
+    };
+    let (hidden, intermediate, eps) = (s.hidden, s.intermediate, s.norm_eps);
+    let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, Var)>| -> Result<Layer> {
+        let norm = |name: &str| RmsNorm::load(l.pp(name), hidden, eps, NormWeight::Plain);
+        Ok(Layer {
+            steps: vec![
+                Step { norm: norm("attn_norm")?, sublayer: mixer(l.pp("attn"), i, vars)?, scale: 1.0 },
+                Step {
+                    norm: norm("mlp_norm")?,
+                    sublayer: Sublayer::Mlp(Mlp::SwiGlu(SwiGlu::load(l.pp("mlp"), hidden, intermediate)?)),
+                    scale: 1.0,
+                },
+            ],
+        })
+    };
+    Stack::new(vb, spec, opts.device.clone(), Box::new(build))
+}
 
 /// One DeltaNet / Gated DeltaNet layer (fla `DeltaNet` / `GatedDeltaNet`, under `attn`) as the
 /// shared linear-attention mixer.
-pub type Mixer = LinearAttention;
-
 fn load(
     vb: VarBuilder,
     cfg: &FlaConfig,
@@ -23,7 +75,7 @@ fn load(
     layer: usize,
     grad: bool,
     vars: &mut Vec<(String, Var)>,
-) -> Result<Mixer> {
+) -> Result<LinearAttention> {
     let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.v_heads * d.dv);
     let gated = d.kind == Kind::GatedDeltaNet;
     let conv = if cfg.use_short_conv {
@@ -64,27 +116,16 @@ fn load(
     })
 }
 
-impl TokenMixer for LinearAttention {
-    fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
-        LinearAttention::forward(self, x, obs, cache)
-    }
-}
-
-/// A DeltaNet or Gated DeltaNet causal LM.
-pub type FlaModel = FlaStack<Mixer>;
-
-impl FlaStack<Mixer> {
-    /// The stages of a DeltaNet / Gated DeltaNet model over `vb`.
-    pub fn fla_layers(vb: VarBuilder<'static>, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> FlaLayers<Mixer> {
-        let shape = StackShape {
-            vocab: cfg.vocab_size,
-            hidden: d.hidden,
-            intermediate: d.intermediate,
-            layers: cfg.num_hidden_layers,
-            norm_eps: cfg.norm_eps,
-            tie_word_embeddings: cfg.tie_word_embeddings,
-        };
-        let (cfg, grad) = (cfg.clone(), opts.grad);
-        FlaStack::layers(vb, shape, opts, move |vb, i, vars| load(vb, &cfg, d, i, grad, vars))
-    }
+/// The stages of a DeltaNet / Gated DeltaNet model over `vb`.
+pub fn delta_net_stack(vb: VarBuilder<'static>, cfg: &FlaConfig, d: Dims, opts: &LoadOptions) -> Stack {
+    let shape = StackShape {
+        vocab: cfg.vocab_size,
+        hidden: d.hidden,
+        intermediate: d.intermediate,
+        layers: cfg.num_hidden_layers,
+        norm_eps: cfg.norm_eps,
+        tie_word_embeddings: cfg.tie_word_embeddings,
+    };
+    let (cfg, grad) = (cfg.clone(), opts.grad);
+    fla_stack(vb, shape, opts, move |vb, i, vars| Ok(Sublayer::Linear(load(vb, &cfg, d, i, grad, vars)?)))
 }

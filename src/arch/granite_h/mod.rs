@@ -258,6 +258,8 @@ impl Family for GraniteHybridFamily {
             lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: c.embed_scale,
             logit_scale: c.logit_scale,
+            final_norm_weight: crate::ops::norm::NormWeight::Plain,
+            states_after_blocks: false,
         };
         let (ckpt, grad) = (ckpt.clone(), opts.grad);
         let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {

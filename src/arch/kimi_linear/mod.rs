@@ -316,6 +316,8 @@ impl Family for KimiLinearFamily {
             lm_head: untied_head(|t| ckpt.tensors.contains_key(t), c.tie),
             embed_scale: 1.0,
             logit_scale: 1.0,
+            final_norm_weight: crate::ops::norm::NormWeight::Plain,
+            states_after_blocks: false,
         };
         let grad = opts.grad;
         let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {

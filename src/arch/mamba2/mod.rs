@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 pub use config::{float_of, Format, Mamba2Config};
-pub use model::Mamba2Layers;
+pub use model::mamba2_stack;
 
 fn config(ckpt: &Checkpoint) -> Result<Mamba2Config> {
     Mamba2Config::from_value(&ckpt.config)
@@ -71,7 +71,7 @@ impl Family for Mamba2Family {
         opts: &LoadOptions,
         vb: candle_nn::VarBuilder<'static>,
     ) -> Result<Box<dyn super::layered::Layers>> {
-        Ok(Box::new(Mamba2Layers::new(ckpt, &config(ckpt)?, opts, vb)?))
+        Ok(Box::new(mamba2_stack(ckpt, &config(ckpt)?, opts, vb)?))
     }
 
     fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {

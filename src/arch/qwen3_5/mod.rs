@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 pub use config::{TextConfig, Variant};
-pub use model::Qwen35Layers;
+pub use model::qwen3_5_stack;
 
 fn config(ckpt: &Checkpoint) -> Result<(Variant, TextConfig)> {
     let variant = Variant::of(&ckpt.model_type()?)?;
@@ -90,7 +90,7 @@ impl Family for Qwen35Family {
         vb: candle_nn::VarBuilder<'static>,
     ) -> Result<Box<dyn super::layered::Layers>> {
         let (variant, cfg) = config(ckpt)?;
-        Ok(Box::new(Qwen35Layers::new(ckpt, variant, &cfg, opts, vb)?))
+        Ok(Box::new(qwen3_5_stack(ckpt, variant, &cfg, opts, vb)?))
     }
 
     fn set_key_width(&self, config: &mut Value, _layout: &StateLayout, dk: usize) -> Result<()> {

@@ -110,45 +110,7 @@ impl AttnConfig {
     }
 }
 
-/// How the layer combines its N+1 partitions (all three compute the same function).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Implementation {
-    /// (N+1)·H heads with masked queries/keys/values/decays, one pass, outputs summed.
-    Mask,
-    /// Per (sequence, partition): gather the routed tokens, run the recurrence, scatter back.
-    Varlen,
-    /// One token at a time with all N+1 states (a reference for tests).
-    Loop,
-}
-
-/// The state transition inside every partition (`linear_attn_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transition {
-    /// GLA: per-key-channel decay, plain write (`SSEGLA`).
-    Gla,
-    /// Gated DeltaNet: per-head decay, delta-rule write with strength beta (`SSEGDN`).
-    Gdn,
-}
-
-/// Sizes derived from a config as fla's `SSEGLA`/`SSEGDN` derive them.
-#[derive(Debug, Clone, Copy)]
-pub struct Dims {
-    pub hidden: usize,
-    pub heads: usize,
-    pub dk: usize,
-    pub dv: usize,
-    /// N, the routed partitions (the shared partition comes on top).
-    pub partitions: usize,
-    /// k, partitions each token writes to and reads from.
-    pub topk: usize,
-    pub intermediate: usize,
-    pub use_output_gate: bool,
-    pub use_short_conv: bool,
-    pub conv_size: usize,
-    pub implementation: Implementation,
-    pub transition: Transition,
-    pub allow_neg_eigval: bool,
-}
+pub use crate::layers::sse::{Dims, Implementation, Transition};
 
 impl SseConfig {
     /// Read config.json, every value of the wrong type an error naming its key.
@@ -226,6 +188,7 @@ impl SseConfig {
             implementation,
             transition,
             allow_neg_eigval: self.allow_neg_eigval,
+            norm_eps: self.norm_eps,
         })
     }
 }

@@ -12,7 +12,6 @@
 //! partition at once.
 
 mod config;
-mod mixer;
 mod model;
 
 use super::{parse, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
@@ -22,7 +21,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 pub use config::{AttnConfig, Dims, Implementation, SseConfig, Transition};
-pub use model::SseModel;
+pub use model::{open, sse_stack};
 
 pub struct SseFamily;
 
@@ -80,7 +79,7 @@ impl Family for SseFamily {
         opts: &LoadOptions,
         vb: candle_nn::VarBuilder<'static>,
     ) -> Result<Box<dyn super::layered::Layers>> {
-        Ok(Box::new(SseModel::sse_layers(ckpt, opts, vb, None)?))
+        Ok(Box::new(sse_stack(ckpt, opts, vb, None)?))
     }
 
     fn set_key_width(&self, config: &mut Value, layout: &StateLayout, dk: usize) -> Result<()> {

@@ -10,8 +10,7 @@
 //!   o = S0ᵀ(scale q1) + Σ_{p∈T} e_p Spᵀ(scale q2), then o_norm gated by g_proj, o_proj.
 //! where step is GLA's `diag(exp g) S + k vᵀ` or the gated delta rule.
 
-use super::config::{Dims, Implementation, SseConfig, Transition};
-use crate::arch::{projection, LayerCache, Observer};
+use crate::model::{projection, LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
@@ -20,6 +19,48 @@ use crate::ops::softplus;
 use anyhow::{Context, Result};
 use candle_core::{DType, Module, Tensor, Var, D};
 use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
+
+/// How the layer combines its N+1 partitions (all three compute the same function).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Implementation {
+    /// (N+1)·H heads with masked queries/keys/values/decays, one pass, outputs summed.
+    Mask,
+    /// Per (sequence, partition): gather the routed tokens, run the recurrence, scatter back.
+    Varlen,
+    /// One token at a time with all N+1 states (a reference for tests).
+    Loop,
+}
+
+/// The state transition inside every partition (`linear_attn_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// GLA: per-key-channel decay, plain write (`SSEGLA`).
+    Gla,
+    /// Gated DeltaNet: per-head decay, delta-rule write with strength beta (`SSEGDN`).
+    Gdn,
+}
+
+/// Sizes derived from a config as fla's `SSEGLA`/`SSEGDN` derive them.
+#[derive(Debug, Clone, Copy)]
+pub struct Dims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// N, the routed partitions (the shared partition comes on top).
+    pub partitions: usize,
+    /// k, partitions each token writes to and reads from.
+    pub topk: usize,
+    pub intermediate: usize,
+    pub use_output_gate: bool,
+    pub use_short_conv: bool,
+    pub conv_size: usize,
+    pub implementation: Implementation,
+    pub transition: Transition,
+    pub allow_neg_eigval: bool,
+    /// the output norm's epsilon
+    pub norm_eps: f64,
+}
 
 /// fla `gate_logit_normalizer` and `gate_low_rank_dim` (SSEGLA defaults, not in the config).
 const GATE_LOGIT_NORMALIZER: f64 = 16.0;
@@ -63,7 +104,7 @@ struct Features {
     sel_host: Vec<f32>,
 }
 
-pub struct Mixer {
+pub struct SseMixer {
     d: Dims,
     layer: usize,
     q_proj: Linear,
@@ -89,15 +130,8 @@ fn at(x: &Tensor, ti: usize) -> Result<Tensor> {
     Ok(x.narrow(1, ti, 1)?.squeeze(1)?.contiguous()?)
 }
 
-impl Mixer {
-    pub(super) fn load(
-        vb: VarBuilder,
-        cfg: &SseConfig,
-        d: Dims,
-        layer: usize,
-        grad: bool,
-        vars: &mut Vec<(String, Var)>,
-    ) -> Result<Self> {
+impl SseMixer {
+    pub fn load(vb: VarBuilder, d: Dims, layer: usize, grad: bool, vars: &mut Vec<(String, Var)>) -> Result<Self> {
         let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.heads * d.dv);
         let conv = if d.use_short_conv {
             let bias = vb.contains_tensor("q_conv1d_shared.bias");
@@ -130,7 +164,7 @@ impl Mixer {
             e_proj: linear_no_bias(hid, d.partitions, vb.pp("e_proj"))?,
             conv,
             g_proj: if d.use_output_gate { Some(LowRank::load(vb.pp("g_proj"), hid, d.dv, vd, false)?) } else { None },
-            o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, cfg.norm_eps, NormWeight::Plain)?,
+            o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, d.norm_eps, NormWeight::Plain)?,
             o_proj: linear_no_bias(vd, hid, vb.pp("o_proj"))?,
         })
     }
@@ -378,7 +412,7 @@ impl Mixer {
     }
 
     /// The layer's output; with a decoding `cache`, continues from and updates it (mask form).
-    pub(super) fn forward(
+    pub fn forward(
         &self,
         x: &Tensor,
         obs: &mut dyn Observer,
