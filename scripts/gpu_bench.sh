@@ -44,6 +44,10 @@
 #                         forward and forward + backward: statecut's forms (BUNDLE/recurrence.xz, built
 #                         from benches/recurrence.rs; FORMS=a,b picks them) and fla's chunk kernels
 #                         (scripts/recurrence_reference.py; FLA=0 skips them)
+#   eager:MODEL           statecut bench --eager (prefill and op-by-op decode, bf16) on MODEL, a
+#                         directory of the checkout (a fixture) or a random checkpoint NAME, with
+#                         BUNDLE/statecut_before.xz and this build taking turns (EAGER_ROUNDS rounds
+#                         each, default 3): eager_{before,after}_N_*.json and a summary of medians
 #   BEFORE=1              grad:NAME and recover:NAME also run BUNDLE/statecut_before.xz, after this build
 #   recover:NAME          recovery fine-tuning of NAME pruned at 0.5 (drrqr, 8 calibration sequences) from
 #                         the unpruned NAME, RECOVER_STEPS steps (default 6) of RECOVER_BATCH x 2048 tokens
@@ -106,6 +110,7 @@ ensure() {
 for stage in "$@"; do
   name=${stage#*:}
   case $stage in
+    eager:*) [ -d "$name" ] || ensure "$name" ;;
     statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*|grad:*|recover:*) ensure "$name" ;;
     decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
@@ -161,6 +166,34 @@ EOF
       $SC bench -m $CK/$name --compare $CK/$name-statecut --device cuda --dtype bf16 --prompt-len 512 \
         --batch-sizes 1,16,64 --json > "$OUT/bench_$name.json" 2> "$OUT/bench_$name.log"
       echo "bench rc $?"; tail -3 "$OUT/bench_$name.log" ;;
+    eager:*)
+      model=$name; [ -d "$model" ] || model=$CK/$name
+      tag=$(basename "$model")
+      for r in $(seq 1 "${EAGER_ROUNDS:-3}"); do
+        for bin in before after; do
+          exe=$SC; [ $bin = before ] && exe=/tmp/statecut_before
+          [ -x "$exe" ] || continue
+          $exe bench -m "$model" --device cuda --dtype bf16 --eager --prompt-len ${PROMPT_LEN:-512} \
+            --batch-sizes ${BATCHES:-1,16} --decode-steps 64 --iterations 5 --json \
+            > "$OUT/eager_${bin}_${r}_$tag.json" 2> "$OUT/eager_${bin}_${r}_$tag.log"
+          echo "eager $bin $r rc $?"
+        done
+      done
+      python3 - "$OUT" "$tag" <<'EOF2'
+import glob, json, statistics, sys
+out, tag = sys.argv[1], sys.argv[2]
+for bin in ("before", "after"):
+    rows = {}
+    for f in sorted(glob.glob(f"{out}/eager_{bin}_*_{tag}.json")):
+        for m in json.load(open(f)):
+            for r in m["rows"]:
+                rows.setdefault(r["batch"], []).append(r)
+    for b, rs in sorted(rows.items()):
+        pf = statistics.median(r["prefill_tokens_per_s"] for r in rs)
+        dec = statistics.median(r["decode_ms_per_token"] for r in rs if r["decode_ms_per_token"] is not None)
+        print(f"{tag} {bin:6} batch {b:3}: prefill {pf:,.0f} tok/s, eager decode {dec:.3f} ms/token ({len(rs)} rounds)")
+EOF2
+      ;;
     speed:*)
       [ -d $CK/$name-statecut-0.75 ] || $SC prune -m $CK/$name --method drrqr --ratio 0.75 --calib "$DATA" \
         --nsamples ${PRUNE_SAMPLES:-128} --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-statecut-0.75 > /dev/null 2>&1
