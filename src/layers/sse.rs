@@ -101,7 +101,6 @@ struct Features {
     w: Tensor,
     /// 1 where p is selected, 0 elsewhere
     sel: Tensor,
-    sel_host: Vec<f32>,
 }
 
 pub struct SseMixer {
@@ -238,23 +237,16 @@ impl SseMixer {
                 ([l2(&q1)?, l2(&q2)?], [l2(&k1)?, l2(&k2)?], g, Some(beta))
             }
         };
-        // Routing: softmax over partitions in float32, top-k, ties to the lower index.
-        let e = candle_nn::ops::softmax(&self.e_proj.forward(x)?.to_dtype(DType::F32)?, D::Minus1)?;
-        let probs = e.flatten_all()?.to_vec1::<f32>()?;
-        let n = d.partitions;
-        let mut sel_host = vec![0f32; probs.len()];
-        let mut order: Vec<usize> = (0..n).collect();
-        for (row, sel) in probs.chunks(n).zip(sel_host.chunks_mut(n)) {
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            for &p in &order[..d.topk] {
-                sel[p] = 1.0;
-            }
-        }
-        let sel = Tensor::from_vec(sel_host.clone(), (b, t, n), x.device())?;
+        // Routing: softmax over partitions in float32, top-k, on the device. A partition is
+        // selected when its place in the descending order is below k (the order's inverse gives
+        // each partition its place); the CPU's stable sort breaks exact ties to the lower index.
+        let e = candle_nn::ops::softmax(&self.e_proj.forward(x)?.to_dtype(DType::F32)?, D::Minus1)?.contiguous()?;
+        let place = e.arg_sort_last_dim(false)?.arg_sort_last_dim(true)?;
+        let sel = place.lt(&Tensor::full(d.topk as u32, place.shape(), place.device())?)?.to_dtype(DType::F32)?;
         obs.routing(self.layer, &sel)?;
         obs.partition_keys(self.layer, [&k[0], &k[1]], [&g[0], &g[1]], &sel)?;
         let w = (e * &sel)?.to_dtype(dtype)?;
-        Ok((Features { q, k, v, g, beta, w, sel: sel.to_dtype(dtype)?, sel_host }, conv_state))
+        Ok((Features { q, k, v, g, beta, w, sel: sel.to_dtype(dtype)? }, conv_state))
     }
 
     fn scale(&self) -> f64 {
@@ -338,13 +330,15 @@ impl SseMixer {
         let (b, t, h, _) = f.q[0].dims4()?;
         let n = d.partitions;
         let beta = |i: usize| f.beta.as_ref().map(|bb| &bb[i]);
+        // The gather indices are built on the host: this form is the CPU's reference.
+        let sel_host = f.sel.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let shared = self.recur(&f.q[0], &f.k[0], &f.v, &f.g[0], beta(0), None, false)?.0;
         let mut routed = Vec::with_capacity(b);
         for bi in 0..b {
             let mut ob = Tensor::zeros((t, h, d.dv), f.v.dtype(), f.v.device())?;
             for p in 0..n {
                 let idx: Vec<u32> =
-                    (0..t).filter(|&ti| f.sel_host[(bi * t + ti) * n + p] > 0.0).map(|ti| ti as u32).collect();
+                    (0..t).filter(|&ti| sel_host[(bi * t + ti) * n + p] > 0.0).map(|ti| ti as u32).collect();
                 if idx.is_empty() {
                     continue;
                 }
