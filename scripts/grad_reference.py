@@ -14,8 +14,7 @@ routers and the MLPs. Models:
                                                  (the shipped model), sse_gla, sse_gdn, sse_h
 
 fla's own layers need Triton, so DeltaNet / Gated DeltaNet / SSE run as plain-PyTorch modules with
-fla's names and math (Gated DeltaNet from train_embedded_model.py, SSE from sse_reference.py,
-DeltaNet below); their recurrences run token by token.
+fla's names and math (reference_torch.py); their recurrences run token by token.
 
 Written to tests/fixtures/grad/NAME.safetensors: `loss` (float64 scalar as [1]), and for each
 parameter `grad.NAME` (float32) and, for matrices of more than 4096 elements, `rows.NAME`: every
@@ -26,18 +25,17 @@ so the goldens stay small while every tensor is checked.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import reference_torch as ref  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -75,70 +73,18 @@ def check_logits(name, logits, gold):
     return rel
 
 
-class DeltaNet(nn.Module):
-    """fla's DeltaNet layer (use_beta, qk_activation silu, qk_norm l2, short convs with SiLU,
-    output RMSNorm without a gate) in plain PyTorch with fla's tensor names."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        from train_embedded_model import RMSNorm, ShortConv
-
-        D, self.H = cfg["hidden_size"], cfg["num_heads"]
-        kd, vd = int(D * cfg["expand_k"]), int(D * cfg["expand_v"])
-        self.dk, self.dv = kd // self.H, vd // self.H
-        self.q_proj = nn.Linear(D, kd, bias=False)
-        self.k_proj = nn.Linear(D, kd, bias=False)
-        self.v_proj = nn.Linear(D, vd, bias=False)
-        self.b_proj = nn.Linear(D, self.H, bias=False)
-        self.q_conv1d = ShortConv(kd, cfg["conv_size"])
-        self.k_conv1d = ShortConv(kd, cfg["conv_size"])
-        self.v_conv1d = ShortConv(vd, cfg["conv_size"])
-        self.o_norm = RMSNorm(self.dv, cfg["norm_eps"])
-        self.o_proj = nn.Linear(vd, D, bias=False)
-
-    def forward(self, x, recurrent=True):
-        from train_embedded_model import l2norm, recurrent_gated_delta_rule
-
-        B, T, _ = x.shape
-        q = l2norm(self.q_conv1d(self.q_proj(x)).reshape(B, T, self.H, self.dk))
-        k = l2norm(self.k_conv1d(self.k_proj(x)).reshape(B, T, self.H, self.dk))
-        v = self.v_conv1d(self.v_proj(x)).reshape(B, T, self.H, self.dv)
-        beta = torch.sigmoid(self.b_proj(x))
-        o = recurrent_gated_delta_rule(q, k, v, torch.zeros_like(beta), beta, self.dk**-0.5)
-        return self.o_proj(self.o_norm(o).reshape(B, T, -1))
-
-
 def fla_model(name, d):
     """A plain-PyTorch model with fla's names, its weights loaded strictly, and a forward to logits."""
-    import train_embedded_model as tem
-
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    sd = {k: v.float() for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
     if name.startswith("sse"):
-        import sse_reference
-
-        model, _ = sse_reference.load_checkpoint(d)
+        model, _ = ref.load_sse(d)
         return model, lambda ids: model(ids)[0]
-    # DeltaNet's blocks are Gated DeltaNet's with another mixer: build those, then swap it in
-    shell = dict(cfg, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_heads"])
-    model = tem.GatedDeltaNetForCausalLM(shell)
+    cfg, sd = ref.read_checkpoint(d)
     if name == "delta_net":
-        for blk in model.model.layers:
-            blk.attn = DeltaNet(cfg)
-    tied = cfg["tie_word_embeddings"]
-    if not tied:
-        model.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        model = ref.CausalLM(cfg, lambda cfg, i: ref.DeltaNet(cfg))
+    else:
+        model = ref.GatedDeltaNetForCausalLM(cfg)
     model.load_state_dict(sd, strict=True)
-
-    def forward(ids):
-        h = model.model.embeddings(ids)
-        for blk in model.model.layers:
-            h = h + blk.attn(blk.attn_norm(h), True)
-            h = h + blk.mlp(blk.mlp_norm(h))
-        h = model.model.norm(h)
-        return h @ (model.model.embeddings.weight if tied else model.lm_head.weight).t()
-
-    return model.eval(), forward
+    return model.eval(), lambda ids: model(ids, "recurrent")[0]
 
 
 def hf_model(name, d):

@@ -42,7 +42,7 @@ import os
 import shutil
 
 import torch
-from golden_text import first_tokens
+from reference_torch import first_tokens
 from safetensors.torch import load_file, save_file
 
 SEQ = 128

@@ -31,7 +31,7 @@ import re
 import shutil
 
 import torch
-from golden_text import first_tokens
+from reference_torch import first_tokens
 from safetensors.torch import load_file, save_file
 
 TEXT = dict(

@@ -21,21 +21,16 @@ import numpy as np
 import scipy.linalg
 import torch
 import torch.nn.functional as F
+from reference_torch import documents, encode, tokenizer
 
 
 def tokens(model_dir, data, text_column, n, seqlen):
     """statecut's stream: documents encoded without special tokens, each followed by EOS."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    tok = tokenizer(os.path.join(model_dir, "tokenizer.json"))
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))
     eos = eos[0] if isinstance(eos, list) else eos
-    out = []
-    for line in open(data):
-        out += tok.encode(json.loads(line)[text_column], add_special_tokens=False).ids + [eos]
-        if len(out) >= n * seqlen:
-            break
+    out = encode(tok, documents(data, text_column), eos, n * seqlen)
     m = len(out) // seqlen
     return torch.tensor(out[: min(m, n) * seqlen]).view(-1, seqlen)
 

@@ -65,6 +65,9 @@ Reading of fla's code (flash-linear-attention PR #882 files `fla/layers/sse.py`,
     out partition-major; the varlen form needs num_writer == num_reader.
   - GLA's default scale dk^-1/2 applies to every partition.
 
+The layers and the model are in reference_torch.py, which the other reference scripts share;
+this script trains, initialises, writes the goldens and evaluates.
+
 Usage:
   sse_reference.py train --out DIR [--minutes 4] [--device cpu|cuda]   train, write goldens and reference.json
   sse_reference.py init --out DIR --linear-attn-type gdn               random tiny model + goldens (test fixture)
@@ -79,30 +82,19 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference_torch import SSE, SSEForCausalLM, first_tokens, init_normal, load_sse, perplexity, random_windows
+from reference_torch import save_checkpoint, shared_dir, stream, tokenizer, train, warmup_cosine, windows, write_json
 from safetensors.torch import load_file, save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def shared_dir():
-    """The reference data: $STATECUT_SHARED, else shared/ beside or inside the checkout. Only the
-    trained fixture and its text goldens need it; `init` and the random fixtures' goldens do not."""
-    if os.environ.get("STATECUT_SHARED"):
-        return os.environ["STATECUT_SHARED"]
-    for d in (os.path.join(HERE, "..", "..", "shared"), os.path.join(HERE, "..", "shared"), "/work/shared"):
-        if os.path.isdir(os.path.join(d, "data")):
-            return os.path.normpath(d)
-    raise SystemExit("reference data not found: set STATECUT_SHARED to the shared/ folder")
-
-
-GATE_LOGIT_NORMALIZER = 16
-GATE_LOW_RANK_DIM = 16
+# The reference data (shared_dir()) is needed only by the trained fixture and its text goldens;
+# `init` and the random fixtures' goldens do without.
 
 CONFIG = {
     "model_type": "sse",
@@ -153,416 +145,8 @@ TINY = {
 }
 
 
-def rms_norm(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-class ShortConv(nn.Module):
-    """Depthwise causal conv, no activation (fla ShortConvolution with activation=None)."""
-
-    def __init__(self, channels, kernel):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / math.sqrt(kernel))
-        self.kernel = kernel
-
-    def forward(self, x):  # [B, T, C]
-        y = F.conv1d(x.transpose(1, 2), self.weight, padding=self.kernel - 1, groups=x.shape[-1])
-        return y[..., : x.shape[1]].transpose(1, 2)
-
-
-def gla_chunk(q, k, v, g, scale, chunk=8):
-    """GLA over [B, T, H, *]: S <- diag(exp g_t) S + k_t v_t^T, o_t = S^T (scale q_t).
-
-    Chunked: exact intra-chunk products with pairwise per-channel decays, states between chunks.
-    Returns o [B, T, H, V] and the final state [B, H, K, V]."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    S = q.new_zeros(B, H, K, V)
-    outs = []
-    for s0 in range(0, T, chunk):
-        qc, kc, vc, gc = (x[:, s0 : s0 + chunk].transpose(1, 2) for x in (q, k, v, g))
-        c = qc.shape[2]
-        b = gc.cumsum(2)  # [B, H, c, K]
-        o = (qc * scale * b.exp()) @ S
-        diff = b[:, :, :, None, :] - b[:, :, None, :, :]  # [B, H, c(t), c(s), K]
-        causal = torch.tril(torch.ones(c, c, dtype=torch.bool, device=q.device))
-        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-        A = (qc[:, :, :, None, :] * scale * kc[:, :, None, :, :] * decay).sum(-1)
-        o = o + A @ vc
-        last = b[:, :, -1:, :]
-        S = last.squeeze(2).exp()[..., None] * S + (kc * (last - b).exp()).transpose(-1, -2) @ vc
-        outs.append(o.transpose(1, 2))
-    return torch.cat(outs, 1), S
-
-
-def l2norm(x, eps=1e-6):
-    xf = x.float()
-    return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def gdn_recurrent(q, k, v, g, beta, scale):
-    """Gated delta rule over [B, T, H, *], one token at a time: S <- exp(g_t) S,
-    S <- S + k_t (beta_t (v_t - S^T k_t))^T, o_t = S^T (scale q_t); g [B, T, H, 1].
-    Returns o [B, T, H, V] and the final state [B, H, K, V]."""
-    B, T, H, K = q.shape
-    S = q.new_zeros(B, H, K, v.shape[-1])
-    outs = []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None]
-        kt = k[:, t]
-        u = beta[:, t, :, None] * (v[:, t] - (kt[..., None] * S).sum(-2))
-        S = S + kt[..., None] * u[..., None, :]
-        outs.append((q[:, t, :, :, None] * scale * S).sum(-2))
-    return torch.stack(outs, 1), S
-
-
-def recurrence(q, k, v, g, beta, scale):
-    """GLA (beta None, g [B, T, H, K]) or the gated delta rule (beta [B, T, H], g [B, T, H, 1])."""
-    if beta is None:
-        return gla_chunk(q, k, v, g, scale)
-    return gdn_recurrent(q, k, v, g, beta, scale)
-
-
-class SSE(nn.Module):
-    def __init__(self, cfg, layer_idx):
-        super().__init__()
-        D = cfg["hidden_size"]
-        self.H = cfg["num_heads"]
-        if cfg.get("num_v_heads") not in (None, self.H):
-            raise ValueError("num_v_heads != num_heads is not supported here")
-        self.dk = cfg["head_dim"]
-        self.dv = int(self.dk * cfg["expand_v"])
-        self.N = cfg["num_sparse_partition"]
-        self.topk = cfg["num_writer"]
-        if cfg["num_reader"] != cfg["num_writer"]:
-            raise ValueError("num_reader must equal num_writer")
-        self.eps = cfg["norm_eps"]
-        self.impl = cfg["sse_implementation"]
-        kd, vd = self.H * self.dk, self.H * self.dv
-        self.q_proj = nn.Linear(D, kd, bias=False)
-        self.k_proj = nn.Linear(D, kd, bias=False)
-        self.v_proj = nn.Linear(D, vd, bias=False)
-        self.lora_q_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
-        self.lora_k_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, kd, bias=False))
-        self.gdn = cfg.get("linear_attn_type", "gla") == "gdn"
-        if self.gdn:
-            self.a_proj = nn.Linear(D, 2 * self.H, bias=False)
-            self.b_proj = nn.Linear(D, 2 * self.H, bias=False)
-            # fla GatedDeltaNet init: A ~ U(0, 16), dt ~ logU(1e-3, 0.1), dt_bias = softplus^-1(dt)
-            self.A_log = nn.Parameter(torch.empty(2 * self.H).uniform_(1, 16).log())
-            dt = torch.exp(torch.rand(2 * self.H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-            self.beta_scale = 2.0 if cfg.get("allow_neg_eigval") else 1.0
-        else:
-            self.gk_proj = nn.ModuleList(
-                [
-                    nn.Sequential(
-                        nn.Linear(D, GATE_LOW_RANK_DIM, bias=False), nn.Linear(GATE_LOW_RANK_DIM, kd, bias=True)
-                    )
-                    for _ in range(2)
-                ]
-            )
-        self.e_proj = nn.Linear(D, self.N, bias=False)
-        self.use_short_conv = cfg["use_short_conv"]
-        if self.use_short_conv:
-            self.q_conv1d_shared = ShortConv(kd, cfg["conv_size"])
-            self.k_conv1d_shared = ShortConv(kd, cfg["conv_size"])
-        self.use_output_gate = cfg["use_output_gate"]
-        if self.use_output_gate:
-            self.g_proj = nn.Sequential(nn.Linear(D, self.dv, bias=False), nn.Linear(self.dv, vd, bias=False))
-        self.o_norm = RMSNorm(self.dv, self.eps)
-        self.o_proj = nn.Linear(vd, D, bias=False)
-
-    def features(self, x):
-        B, T, _ = x.shape
-        q1, k1 = self.q_proj(x), self.k_proj(x)
-        q2, k2 = q1 + self.lora_q_proj(x), k1 + self.lora_k_proj(x)
-        v = self.v_proj(x)
-        eta = self.e_proj(x)
-        if self.use_short_conv:
-            q1, k1 = self.q_conv1d_shared(q1), self.k_conv1d_shared(k1)
-        heads = lambda t, d: t.reshape(B, T, self.H, d)  # noqa: E731
-        q1, q2, k1, k2 = (heads(t, self.dk) for t in (q1, q2, k1, k2))
-        v = F.silu(heads(v, self.dv))
-        q1, q2 = F.silu(q1), F.silu(q2)
-        if self.gdn:
-            q1, q2, k1, k2 = l2norm(q1), l2norm(q2), l2norm(F.silu(k1)), l2norm(F.silu(k2))
-            g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-            beta = torch.sigmoid(self.b_proj(x)) * self.beta_scale
-            H = self.H
-            gk1, gk2 = g[..., :H, None].to(v), g[..., H:, None].to(v)
-            beta = (beta[..., :H], beta[..., H:])
-        else:
-            k1, k2 = F.softmax(k1.float(), -1).to(v), F.softmax(k2.float(), -1).to(v)
-            gk1 = F.logsigmoid(heads(self.gk_proj[0](x), self.dk)) / GATE_LOGIT_NORMALIZER
-            gk2 = F.logsigmoid(heads(self.gk_proj[1](x), self.dk)) / GATE_LOGIT_NORMALIZER
-            beta = (None, None)
-        e = F.softmax(eta.float(), -1)
-        top_v, top_i = torch.topk(e, self.topk, dim=-1)
-        sel = torch.zeros_like(e, dtype=torch.bool).scatter_(-1, top_i, True)
-        w = torch.zeros_like(e).scatter_(-1, top_i, top_v).to(v)  # routing weight, 0 when unselected
-        return q1, q2, k1, k2, v, gk1, gk2, e, sel, w, beta
-
-    def mix_mask(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
-        B, T, H, K = q1.shape
-        n = self.N + 1
-        wm, sm = w[..., None, None], sel[..., None, None].to(v)
-        q = torch.cat([q1[:, :, None], q2[:, :, None] * wm], 2).reshape(B, T, n * H, K)
-        k = torch.cat([k1[:, :, None], k2[:, :, None] * wm], 2).reshape(B, T, n * H, K)
-        vv = torch.cat([v[:, :, None], v[:, :, None] * sm], 2).reshape(B, T, n * H, -1)
-        g = torch.cat([gk1[:, :, None], gk2[:, :, None] * sm], 2).reshape(B, T, n * H, -1)
-        beta = None
-        if b1 is not None:
-            beta = torch.cat([b1[:, :, None], b2[:, :, None].expand(B, T, self.N, H)], 2).reshape(B, T, n * H)
-        o, S = recurrence(q, k, vv, g, beta, K**-0.5)
-        return o.reshape(B, T, n, H, -1).sum(2), S
-
-    def mix_varlen(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
-        B, T, H, K = q1.shape
-        o, _ = recurrence(q1, k1, v, gk1, b1, K**-0.5)
-        o2 = torch.zeros_like(o)
-        for b in range(B):
-            for p in range(self.N):
-                idx = sel[b, :, p].nonzero()[:, 0]
-                if idx.numel() == 0:
-                    continue
-                wp = w[b, idx, p][None, :, None, None]
-                bp = None if b2 is None else b2[b, idx][None]
-                sub = recurrence(q2[b, idx][None] * wp, k2[b, idx][None] * wp, v[b, idx][None], gk2[b, idx][None], bp, K**-0.5)
-                o2[b].index_add_(0, idx, sub[0][0])
-        return o + o2
-
-    def mix_loop(self, f):
-        q1, q2, k1, k2, v, gk1, gk2, e, sel, w, (b1, b2) = f
-        B, T, H, K = q1.shape
-        scale = K**-0.5
-
-        def step(S, k, v, g, beta):  # S [B, H, K, V]; GLA: S <- exp(g) S + k v^T; GDN: delta rule
-            S = g.exp()[..., None] * S
-            u = v if beta is None else beta[..., None] * (v - (k[..., None] * S).sum(-2))
-            return S + k[..., None] * u[..., None, :]
-
-        S = q1.new_zeros(B, self.N + 1, H, K, v.shape[-1])
-        outs = []
-        for t in range(T):
-            S0 = step(S[:, 0], k1[:, t], v[:, t], gk1[:, t], None if b1 is None else b1[:, t])
-            o = (q1[:, t, :, :, None] * scale * S0).sum(-2)
-            parts = [S0]
-            for p in range(self.N):
-                wp = w[:, t, p][:, None, None]
-                upd = step(S[:, p + 1], wp * k2[:, t], v[:, t], gk2[:, t], None if b2 is None else b2[:, t])
-                Sp = torch.where(sel[:, t, p][:, None, None, None], upd, S[:, p + 1])
-                o = o + (wp[..., None] * q2[:, t, :, :, None] * scale * Sp).sum(-2)
-                parts.append(Sp)
-            S = torch.stack(parts, 1)
-            outs.append(o)
-        return torch.stack(outs, 1)
-
-    def forward(self, x, impl=None):
-        f = self.features(x)
-        impl = impl or self.impl
-        o = {"mask": lambda: self.mix_mask(f)[0], "varlen": lambda: self.mix_varlen(f), "loop": lambda: self.mix_loop(f)}[impl]()
-        B, T, _ = x.shape
-        o = self.o_norm(o)
-        if self.use_output_gate:
-            o = o * F.silu(self.g_proj(x).reshape(B, T, self.H, self.dv))
-        out = self.o_proj(o.reshape(B, T, -1))
-        # load-balance loss (writer-only): sum p·f · N / k
-        aux = (f[7].mean((0, 1)) * f[8].float().mean((0, 1))).sum() * self.N / self.topk
-        return out, aux
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat([-x2, x1], -1)
-
-
-class Attention(nn.Module):
-    """fla `fla/layers/attn.py` Attention (the softmax layers of SSE-H, placed by the config's
-    `attn` dict): head_dim = hidden / num_heads, GQA, optional per-head q/k RMSNorm, rotary
-    embedding of the whole head (rotate-half, float32 tables), causal softmax, optional sliding
-    window (flash-attn window_size=(w-1, 0))."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        a = cfg["attn"]
-        D = cfg["hidden_size"]
-        self.H = a["num_heads"]
-        self.KV = a.get("num_kv_heads") or self.H
-        self.hd = D // self.H
-        bias = a.get("qkv_bias", False)
-        self.q_proj = nn.Linear(D, self.H * self.hd, bias=bias)
-        self.k_proj = nn.Linear(D, self.KV * self.hd, bias=bias)
-        self.v_proj = nn.Linear(D, self.KV * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.H * self.hd, D, bias=False)
-        self.qk_norm = a.get("qk_norm", False)
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.hd, cfg["norm_eps"])
-            self.k_norm = RMSNorm(self.hd, cfg["norm_eps"])
-        self.theta = a.get("rope_theta", 10000.0)
-        self.window = a.get("window_size")
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.H, self.hd)
-        k = self.k_proj(x).reshape(B, T, self.KV, self.hd)
-        v = self.v_proj(x).reshape(B, T, self.KV, self.hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv = 1.0 / (self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32, device=x.device) / self.hd))
-        freqs = torch.outer(torch.arange(T, dtype=torch.float32, device=x.device), inv)
-        emb = torch.cat([freqs, freqs], -1)[None, :, None]
-        cos, sin = emb.cos(), emb.sin()
-        q = (q.float() * cos + rotate_half(q).float() * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k).float() * sin).to(x.dtype)
-        r = self.H // self.KV
-        k, v = k.repeat_interleave(r, 2), v.repeat_interleave(r, 2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        i = torch.arange(T, device=x.device)
-        allowed = i[None, :] <= i[:, None]
-        if self.window is not None:
-            allowed &= (i[:, None] - i[None, :]) < self.window
-        s = (q @ k.transpose(-1, -2)).float() * self.hd**-0.5
-        p = s.masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
-        o = (p @ v).transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(o)
-
-
-class MLP(nn.Module):
-    def __init__(self, D, inter):
-        super().__init__()
-        self.gate_proj = nn.Linear(D, inter, bias=False)
-        self.up_proj = nn.Linear(D, inter, bias=False)
-        self.down_proj = nn.Linear(inter, D, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg, i):
-        super().__init__()
-        D = cfg["hidden_size"]
-        inter = cfg.get("intermediate_size")
-        if inter is None:
-            inter = int(D * cfg["hidden_ratio"] * 2 / 3)
-            inter = 256 * ((inter + 255) // 256)
-        self.attn_norm = RMSNorm(D, cfg["norm_eps"])
-        attn = cfg.get("attn")
-        self.softmax = attn is not None and i in attn["layers"]
-        self.attn = Attention(cfg) if self.softmax else SSE(cfg, i)
-        self.mlp_norm = RMSNorm(D, cfg["norm_eps"])
-        self.mlp = MLP(D, inter)
-
-    def forward(self, h, impl=None):
-        if self.softmax:
-            a, aux = self.attn(self.attn_norm(h)), 0.0
-        else:
-            a, aux = self.attn(self.attn_norm(h), impl)
-        h = h + a
-        return h + self.mlp(self.mlp_norm(h)), aux
-
-
-class Inner(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg["num_hidden_layers"])])
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["norm_eps"])
-
-
-class SSEForCausalLM(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        if cfg.get("linear_attn_type", "gla") not in ("gla", "gdn"):
-            raise ValueError("linear_attn_type must be 'gla' or 'gdn'")
-        self.cfg = cfg
-        self.model = Inner(cfg)
-        self.tied = cfg["tie_word_embeddings"]
-        if not self.tied:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-
-    def forward(self, ids, impl=None):
-        h = self.model.embeddings(ids)
-        hidden = [h]
-        aux = 0.0
-        for i, blk in enumerate(self.model.layers):
-            h, a = blk(h, impl)
-            aux = aux + a
-            if i + 1 < len(self.model.layers):
-                hidden.append(h)
-        h = self.model.norm(h)
-        hidden.append(h)
-        w = self.model.embeddings.weight if self.tied else self.lm_head.weight
-        return h @ w.t(), hidden, aux
-
-    def state_dict_fla(self):
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        return sd
-
-
-def load_checkpoint(d, device="cpu"):
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    m = SSEForCausalLM(cfg)
-    sd = load_file(os.path.join(d, "model.safetensors"))
-    sd = {k: v.float() for k, v in sd.items()}
-    missing, unexpected = m.load_state_dict(sd, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("lm_head")]:
-        raise SystemExit(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
-    return m.to(device).eval(), cfg
-
-
-def tokenizer(path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(path)
-
-
-def documents(path):
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield json.loads(line)["text"]
-
-
-def stream(tok, eos, paths, limit):
-    out = []
-    for p in paths:
-        for d in documents(p):
-            out += tok.encode(d, add_special_tokens=False).ids
-            out.append(eos)
-            if len(out) >= limit:
-                return out
-    return out
-
-
-def eval_ppl(model, ids, seqlen, windows, device):
-    n = min((len(ids) - 1) // seqlen, windows)
-    nll = 0.0
-    with torch.no_grad():
-        for i in range(n):
-            w = torch.tensor(ids[i * seqlen : i * seqlen + seqlen + 1], device=device)[None]
-            logits = model(w[:, :-1])[0].float()
-            nll += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
-    return math.exp(nll / (n * seqlen)), n
-
-
 def cmd_eval(args):
-    model, cfg = load_checkpoint(args.eval, args.device)
+    model, cfg = load_sse(args.eval, args.device)
     tok = tokenizer(os.path.join(args.eval, "tokenizer.json"))
     eval_file = args.eval_file or os.path.join(shared_dir(), "data/eval/wiki.jsonl")
     ids = stream(tok, cfg["eos_token_id"], [eval_file], args.eval_windows * args.eval_seqlen + 1)
@@ -577,16 +161,10 @@ REFERENCE_WINDOWS, REFERENCE_SEQLEN = 8, 512
 REFERENCE_KEY = f"eval_wiki_ppl_f32_{REFERENCE_SEQLEN}x{REFERENCE_WINDOWS}"
 
 
-def save_model(model, cfg, out, tok_path=None):
-    """bf16 weights with fla's names, config.json and (for text models) tokenizer.json."""
-    sd = {k: v.to(torch.bfloat16) for k, v in model.cpu().state_dict_fla().items()}
-    os.makedirs(out, exist_ok=True)
-    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-    if tok_path:
-        shutil.copy(tok_path, os.path.join(out, "tokenizer.json"))
+def eval_ppl(model, ids, seqlen, n, device):
+    """Perplexity on the first n windows of ids, and how many there were."""
+    wins = windows(ids, seqlen, n)
+    return perplexity(lambda x: model(x)[0], wins, device), len(wins)
 
 
 def cmd_train(args):
@@ -607,41 +185,29 @@ def cmd_train(args):
     print(f"training tokens: {len(ids)} on {dev}")
     data = torch.tensor(ids)
     model = SSEForCausalLM(cfg).to(dev)
-    for n, p in model.named_parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=0.02)
+    init_normal(model, 0.02)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     L, bs = args.seqlen, args.batch
-    t0, step = time.time(), 0
-    budget = args.minutes * 60
-    loss = torch.tensor(float("nan"))
-    while time.time() - t0 < budget:
-        frac = (time.time() - t0) / budget
-        for gr in opt.param_groups:
-            gr["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        starts = torch.randint(0, len(data) - L - 1, (bs,))
-        batch = torch.stack([data[s : s + L + 1] for s in starts]).to(dev)
+
+    def batch_loss():
+        batch = random_windows(data, L, bs).to(dev)
         logits, _, aux = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        (loss + cfg["aux_loss_coef"] * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if step % 25 == 0:
-            print(f"step {step} {time.time() - t0:.0f}s loss {loss.item():.3f} aux {aux.item():.3f}", flush=True)
-        step += 1
+        return loss + cfg["aux_loss_coef"] * aux, {"loss": loss, "aux": aux}
+
+    step, last, t0 = train(model, opt, batch_loss, warmup_cosine(args.lr, 50, 0.1), minutes=args.minutes)
     facts = {
         "params": sum(p.numel() for p in model.parameters()),
         "train_steps": step,
         "train_tokens": step * bs * L,
         "train_seconds": round(time.time() - t0, 1),
-        "final_train_loss": loss.item(),
+        "final_train_loss": last.get("loss", torch.tensor(float("nan"))).item(),
         "train_device": torch.cuda.get_device_name(0) if str(dev).startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "seed": args.seed,
     }
     # Store bf16 weights, and compute the golden outputs from those (rounded) weights in float32.
-    save_model(model, cfg, args.out, tok_path)
+    save_checkpoint(model, cfg, args.out, tok_path)
     write_golden(args.out, text_ids(args.out))
     write_reference(args.out, facts)
 
@@ -676,15 +242,15 @@ def cmd_init(args):
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[1]))
             elif n.endswith("norm.weight"):
                 p.uniform_(0.8, 1.2)
-    save_model(model, cfg, args.out)
+    save_checkpoint(model, cfg, args.out)
     write_golden(args.out, torch.randint(0, cfg["vocab_size"], (1, 64)))
 
 
 def text_ids(out):
     """The first 128 tokens of data/eval/wiki.jsonl (the reference models' golden input)."""
-    tok = tokenizer(os.path.join(out, "tokenizer.json"))
-    ids = stream(tok, tok.token_to_id("</s>"), [os.path.join(shared_dir(), "data/eval/wiki.jsonl")], 128)[:128]
-    return torch.tensor(ids)[None]
+    tok_path = os.path.join(out, "tokenizer.json")
+    eos = tokenizer(tok_path).token_to_id("</s>")
+    return first_tokens(tok_path, os.path.join(shared_dir(), "data/eval/wiki.jsonl"), eos, 128)
 
 
 def router_margin(model, hidden):
@@ -692,7 +258,7 @@ def router_margin(model, hidden):
     gaps = []
     with torch.no_grad():
         for blk, h in zip(model.model.layers, hidden):
-            if blk.softmax:
+            if not isinstance(blk.attn, SSE):
                 continue
             e = blk.attn.features(blk.attn_norm(h))[7]
             top = torch.topk(e, blk.attn.topk + 1, dim=-1).values
@@ -701,7 +267,7 @@ def router_margin(model, hidden):
 
 
 def write_golden(out, x):
-    model, cfg = load_checkpoint(out)
+    model, cfg = load_sse(out)
     with torch.no_grad():
         logits, hidden, _ = model(x, "mask")
         lv, hv, _ = model(x, "varlen")
@@ -736,16 +302,14 @@ def write_reference(out, facts=None):
     path = os.path.join(out, "reference.json")
     ref = json.load(open(path)) if os.path.exists(path) else {}
     ref.update(facts or {})
-    model, cfg = load_checkpoint(out)
+    model, cfg = load_sse(out)
     tok = tokenizer(os.path.join(out, "tokenizer.json"))
     want = REFERENCE_WINDOWS * REFERENCE_SEQLEN + 1
     ids = stream(tok, cfg["eos_token_id"], [os.path.join(shared_dir(), "data/eval/wiki.jsonl")], want)
     ppl, n = eval_ppl(model, ids, REFERENCE_SEQLEN, REFERENCE_WINDOWS, "cpu")
     assert n == REFERENCE_WINDOWS
     ref[REFERENCE_KEY] = ppl
-    with open(path, "w") as f:
-        json.dump(ref, f, indent=2)
-        f.write("\n")
+    write_json(path, ref)
     print(f"{REFERENCE_KEY} = {ppl:.4f}; wrote {path}")
 
 

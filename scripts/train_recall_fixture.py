@@ -13,7 +13,7 @@ Zoology; text sequences get the ordinary next-token loss.
 The layer is fla's GatedDeltaNet (fla/layers/gated_deltanet.py): q/k/v projections, SiLU short
 convolutions, L2-normalised q and k, beta = sigmoid(b_proj x), g = -exp(A_log) softplus(a_proj x
 + dt_bias), the gated delta rule, then the gated RMSNorm o_norm(o) * silu(g_proj x) and o_proj.
-It reuses the building blocks of scripts/sse_reference.py.
+The model is scripts/reference_torch.py's, with the rule computed as the SSE layers compute it.
 
 On a GPU (--device cuda) for a few minutes, or on the CPU with one or two threads:
 
@@ -23,19 +23,14 @@ On a GPU (--device cuda) for a few minutes, or on the CPU with one or two thread
 import argparse
 import glob
 import json
-import math
 import os
 import random
-import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sse_reference import MLP, RMSNorm, ShortConv, gdn_recurrent, l2norm, shared_dir, stream, tokenizer  # noqa: E402
+from reference_torch import GatedDeltaNetForCausalLM, init_normal, random_windows, save_checkpoint, shared_dir, stream
+from reference_torch import tokenizer, train, warmup_cosine, write_json
 
 CONFIG = {
     "architectures": ["GatedDeltaNetForCausalLM"],
@@ -68,79 +63,9 @@ CONFIG = {
 }
 
 
-class SiluConv(ShortConv):
-    """fla ShortConvolution with activation='silu' (q_conv1d, k_conv1d, v_conv1d)."""
-
-    def forward(self, x):
-        return F.silu(super().forward(x))
-
-
-class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        D, H, dk = cfg["hidden_size"], cfg["num_heads"], cfg["head_dim"]
-        dv = int(dk * cfg["expand_v"])
-        self.H, self.dk, self.dv = H, dk, dv
-        self.q_proj = nn.Linear(D, H * dk, bias=False)
-        self.k_proj = nn.Linear(D, H * dk, bias=False)
-        self.v_proj = nn.Linear(D, H * dv, bias=False)
-        self.a_proj = nn.Linear(D, H, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
-        # fla's initialisation of the decay: A in [0, 16], dt in [1e-3, 0.1]
-        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(0, 16)))
-        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-        k = cfg["conv_size"]
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = SiluConv(H * dk, k), SiluConv(H * dk, k), SiluConv(H * dv, k)
-        self.g_proj = nn.Linear(D, H * dv, bias=False)
-        self.o_norm = RMSNorm(dv, cfg["norm_eps"])
-        self.o_proj = nn.Linear(H * dv, D, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q = l2norm(self.q_conv1d(self.q_proj(x)).view(B, T, self.H, self.dk))
-        k = l2norm(self.k_conv1d(self.k_proj(x)).view(B, T, self.H, self.dk))
-        v = self.v_conv1d(self.v_proj(x)).view(B, T, self.H, self.dv)
-        beta = torch.sigmoid(self.b_proj(x))
-        g = (-self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias))[..., None]
-        o, _ = gdn_recurrent(q, k, v, g, beta, self.dk**-0.5)
-        gate = self.g_proj(x).view(B, T, self.H, self.dv)
-        o = self.o_norm(o) * F.silu(gate)
-        return self.o_proj(o.reshape(B, T, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        D = cfg["hidden_size"]
-        self.attn_norm = RMSNorm(D, cfg["norm_eps"])
-        self.attn = GatedDeltaNet(cfg)
-        self.mlp_norm = RMSNorm(D, cfg["norm_eps"])
-        self.mlp = MLP(D, cfg["intermediate_size"])
-
-    def forward(self, h):
-        h = h + self.attn(self.attn_norm(h))
-        return h + self.mlp(self.mlp_norm(h))
-
-
-class Inner(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg["num_hidden_layers"])])
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["norm_eps"])
-
-
-class Model(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.model = Inner(cfg)
-
-    def forward(self, ids):
-        h = self.model.embeddings(ids)
-        for blk in self.model.layers:
-            h = blk(h)
-        return self.model.norm(h) @ self.model.embeddings.weight.t()
+def recall_model(cfg):
+    """Short convs drawn ~ N(0, 1/K), the delta rule in the SSE layers' form ("loop")."""
+    return GatedDeltaNetForCausalLM(cfg, conv_init="normal", impl="loop")
 
 
 def power_law_slots(rng, length, n, a=0.01):
@@ -184,7 +109,7 @@ def mqar_accuracy(model, vocab, pairs, length, n, seed):
     batch = [mqar(rng, vocab, pairs, length) for _ in range(n)]
     ids = torch.tensor([b[0] for b in batch])
     tgt = torch.tensor([b[1] for b in batch])
-    pred = model(ids).argmax(-1)
+    pred = model(ids)[0].argmax(-1)
     m = tgt != -100
     return (pred[m] == tgt[m]).float().mean().item()
 
@@ -222,50 +147,32 @@ def main():
         else:
             ids += stream(tok, eos, [t], 10**9)
     ids = torch.tensor(ids)
-    model = Model(cfg)
-    for n, p in model.named_parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=0.02)
+    model = recall_model(cfg)
+    init_normal(model, 0.02)
     model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     L, bs = args.seqlen, args.batch
     n_mqar = int(round(bs * args.mqar_share))
-    t0, step, budget = time.time(), 0, args.minutes * 60
-    while time.time() - t0 < budget:
-        frac = (time.time() - t0) / budget
-        for gr in opt.param_groups:
-            gr["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        starts = torch.randint(0, len(ids) - L - 1, (bs - n_mqar,))
-        text = torch.stack([ids[s : s + L + 1] for s in starts])
+
+    def batch_loss():
+        text = random_windows(ids, L, bs - n_mqar)
         inputs, targets = [text[:, :-1]], [text[:, 1:]]
         if n_mqar:
             ex = [mqar(rng, args.mqar_vocab, rng.randint(1, args.max_pairs), L) for _ in range(n_mqar)]
             inputs.append(torch.tensor([e[0] for e in ex]))
             targets.append(torch.tensor([e[1] for e in ex]))
         x, y = torch.cat(inputs).to(dev), torch.cat(targets).to(dev)
-        logits = model(x)
+        logits = model(x)[0]
         text_loss = F.cross_entropy(logits[: bs - n_mqar].reshape(-1, cfg["vocab_size"]), y[: bs - n_mqar].reshape(-1))
         mq_loss = F.cross_entropy(logits[bs - n_mqar :].reshape(-1, cfg["vocab_size"]), y[bs - n_mqar :].reshape(-1))
-        (text_loss + mq_loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if step % 25 == 0:
-            print(f"step {step} {time.time() - t0:.0f}s text {text_loss.item():.3f} mqar {mq_loss.item():.3f}", flush=True)
-        step += 1
-    model.eval()
-    model.cpu()
-    acc = mqar_accuracy(model, args.mqar_vocab, args.max_pairs, L, 64, 12345)
-    print(f"mqar accuracy ({args.max_pairs} pairs, {L} tokens, held-out seed): {acc:.3f}")
-    os.makedirs(args.out, exist_ok=True)
-    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-    import shutil
+        return text_loss + mq_loss, {"text": text_loss, "mqar": mq_loss}
 
-    shutil.copy(tok_path, os.path.join(args.out, "tokenizer.json"))
+    step, last, t0 = train(model, opt, batch_loss, warmup_cosine(args.lr, 50, 0.1), minutes=args.minutes)
+    text_loss, mq_loss = last["text"], last["mqar"]
+    model.eval()
+    acc = mqar_accuracy(model.cpu(), args.mqar_vocab, args.max_pairs, L, 64, 12345)
+    print(f"mqar accuracy ({args.max_pairs} pairs, {L} tokens, held-out seed): {acc:.3f}")
+    save_checkpoint(model, cfg, args.out, tok_path)
     facts = {
         "params": sum(p.numel() for p in model.parameters()),
         "train_steps": step,
@@ -284,9 +191,7 @@ def main():
         "seed": args.seed,
         "text": [os.path.basename(t) for t in texts],
     }
-    with open(os.path.join(args.out, "reference.json"), "w") as f:
-        json.dump(facts, f, indent=2)
-        f.write("\n")
+    write_json(os.path.join(args.out, "reference.json"), facts)
     print(json.dumps(facts))
 
 

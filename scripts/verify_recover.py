@@ -36,7 +36,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_reload import perplexity, windows  # noqa: E402  statecut's --eval protocol, written once
+from reference_torch import eval_windows, library_logits, perplexity  # noqa: E402
 
 # the projections adapted by the adapters-only run: the ones pruning narrows
 LORA_PATTERN = {"mamba2": "in_proj", "qwen3_5_text": "in_proj_qkv", "qwen3_5": "in_proj_qkv",
@@ -266,13 +266,14 @@ def main():
                               for k, v in rep.items()}
 
             eos = cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id", 2))
-            wins = windows(mdir, evalf, a.eval_seqlen, a.eval_windows, eos)
-            ids = windows(mdir, evalf, a.logit_tokens, 1, eos)[0]
+            tok_path = os.path.join(mdir, "tokenizer.json")
+            wins = eval_windows(tok_path, evalf, a.eval_seqlen, a.eval_windows, eos)
+            ids = eval_windows(tok_path, evalf, a.logit_tokens, 1, eos)[0]
             # 1. perplexity in transformers against statecut's report, for every checkpoint it evaluated
             ppl = {}
             for what, path, sc in (("teacher", mdir, rep["R"]["ppl"]["teacher"]), ("pruned", P, rep["R"]["ppl"]["pruned"]),
                                    ("R", R, rep["R"]["ppl"]["recovered"]), ("R2", R2, rep["R2"]["ppl"]["recovered"])):
-                lib = perplexity(load(path), wins, False, "cpu")
+                lib = perplexity(library_logits(load(path), "cpu"), wins, "cpu")
                 ppl[what] = {"statecut": sc, "transformers": lib, "rel_diff": abs(lib - sc) / sc}
             rec["windows"] = len(wins)
             rec["ppl"] = ppl

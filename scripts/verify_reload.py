@@ -23,7 +23,6 @@ if any checkpoint fails to load or differs by more than --tol (relative).
 """
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from reference_torch import eval_windows, library_logits, perplexity
 
 METHODS = ["l1", "swanda", "grad", "rand", "drrqr"]
 RATIOS = ["0.5", "0.75"]
@@ -38,35 +38,6 @@ RATIOS = ["0.5", "0.75"]
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def windows(tokenizer_dir, data, seqlen, n, eos):
-    """The statecut/reference protocol: documents + eos, concatenated, non-overlapping windows."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-    ids = []
-    with open(data) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            ids += tok.encode(json.loads(line)["text"], add_special_tokens=False).ids + [eos]
-            if len(ids) >= n * seqlen + 1:
-                break
-    count = min(n, (len(ids) - 1) // seqlen)
-    return [ids[i * seqlen: i * seqlen + seqlen + 1] for i in range(count)]
-
-
-@torch.no_grad()
-def perplexity(model, wins, autocast, device):
-    nll, count = 0.0, 0
-    for w in wins:
-        x = torch.tensor([w], device=device)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=x[:, :-1]).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
-        count += x.shape[1] - 1
-    return math.exp(nll / count)
 
 
 def key_widths(model, cfg):
@@ -133,7 +104,7 @@ def main():
                         a.seqlen, "--grad", "-o", acts, "-q"], check=True)
         cfg0 = json.load(open(os.path.join(mdir, "config.json")))
         eos = cfg0.get("eos_token_id", cfg0.get("text_config", {}).get("eos_token_id", 2))
-        wins = windows(mdir, evalf, 512, a.windows, eos)
+        wins = eval_windows(os.path.join(mdir, "tokenizer.json"), evalf, 512, a.windows, eos)
         targets = [("none", "0", mdir)]
         for method in a.methods.split(","):
             for ratio in a.ratios.split(","):
@@ -160,9 +131,9 @@ def main():
                 model = model.to(a.device).eval()
                 rec["class"] = type(model).__name__
                 rec["dk"], rec["dv"] = key_widths(model, cfg)
-                rec["ppl_fp32"] = perplexity(model, wins, autocast=False, device=a.device)
+                rec["ppl_fp32"] = perplexity(library_logits(model, a.device), wins, a.device)
                 if a.autocast:
-                    rec["ppl_bf16_autocast"] = perplexity(model, wins, autocast=True, device=a.device)
+                    rec["ppl_bf16_autocast"] = perplexity(library_logits(model, a.device, autocast=True), wins, a.device)
                 if method == "none":
                     r = json.loads(subprocess.run([a.bin, "eval", "-m", path, "--data", evalf, "--windows", str(a.windows),
                                                    "--json", "-q"],
