@@ -18,7 +18,6 @@ pub mod sse;
 
 mod layout;
 
-pub(crate) use crate::model::projection;
 pub use crate::model::run_recurrence;
 pub use crate::model::{
     layered, trainable, CausalLm, DecodeCache, LayerCache, LoadOptions, NoObserver, Observer, RowSlice, SliceRole,

@@ -3,12 +3,13 @@
 //! (rotate-half), GQA, an optional sliding window and an optional sigmoid output gate
 //! (Qwen3.5). The families differ only in the [`AttentionSpec`] they build from their config.
 
+use super::linear::Linear;
 use crate::model::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use crate::ops::repeat_heads;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{linear_b, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// Rotary embedding of the first `dim` channels of each head (rotate_half convention).
 /// Qwen3.5's interleaved mRoPE reduces to this for text, where all position streams are equal.
@@ -104,10 +105,10 @@ impl Attention {
         };
         Ok(Self {
             spec: spec.clone(),
-            q_proj: linear_b(hid, q_out, spec.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: linear_b(hid, hkv * hd, spec.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: linear_b(hid, hkv * hd, spec.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: linear_b(hq * hd, hid, spec.o_bias, vb.pp("o_proj"))?,
+            q_proj: Linear::load(vb.pp("q_proj"), hid, q_out, spec.qkv_bias)?,
+            k_proj: Linear::load(vb.pp("k_proj"), hid, hkv * hd, spec.qkv_bias)?,
+            v_proj: Linear::load(vb.pp("v_proj"), hid, hkv * hd, spec.qkv_bias)?,
+            o_proj: Linear::load(vb.pp("o_proj"), hq * hd, hid, spec.o_bias)?,
             norms,
         })
     }

@@ -4,6 +4,7 @@
 //! (gated) per-head RMSNorm → o_proj. The families differ only in the projection layout
 //! ([`Projections`]), the decay ([`Decay`]) and the output gate ([`OutputGate`]).
 
+use super::linear::Linear;
 use crate::model::{LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::decode::{OutNorm, StepDims, StepInputs};
@@ -15,7 +16,6 @@ use crate::ops::{repeat_heads, softplus};
 use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
-use candle_nn::Linear;
 
 /// eps of the q/k L2 norms (fla's `l2norm`, inside the square root).
 const L2_EPS: f64 = 1e-6;
@@ -64,8 +64,8 @@ struct Projected {
 
 impl Projections {
     /// The same projections as one [`Projections::Stacked`] matmul when the weights are on a
-    /// GPU, plain (no gradient variables) and without biases; otherwise unchanged. The CPU
-    /// keeps separate matmuls, its reference path.
+    /// GPU, plain (no gradient variables, no adapters) and without biases; otherwise unchanged.
+    /// The CPU keeps separate matmuls, its reference path.
     pub fn stacked(self) -> Result<Self> {
         // The rows in stacked order, and which of z, b, a are among them.
         let (parts, z, b, a): (Vec<&Linear>, _, _, _) = match &self {
@@ -78,7 +78,7 @@ impl Projections {
             Projections::QwenSplit { qkv, z, b, a } => (vec![qkv, z, b, a], true, true, true),
             _ => return Ok(self),
         };
-        let plain = parts.iter().all(|p| p.bias().is_none() && !p.weight().is_variable());
+        let plain = parts.iter().all(|p| p.bias().is_none() && p.is_plain());
         if !plain || parts[0].weight().device().is_cpu() {
             return Ok(self);
         }

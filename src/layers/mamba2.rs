@@ -6,7 +6,8 @@
 //! differ only in where the sizes come from ([`Mamba2Dims`]), in the muP multipliers on the
 //! input and on the `in_proj` segments (Falcon-H1), and in the output norm.
 
-use crate::model::{projection, LayerCache, Observer, RowSlice, SliceRole};
+use super::linear::Linear;
+use crate::model::{LayerCache, Observer, RowSlice, SliceRole};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
@@ -14,7 +15,7 @@ use crate::ops::{repeat_heads, softplus};
 use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, Var, D};
-use candle_nn::{linear_b, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// The output norm of a Mamba-2 mixer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -169,13 +170,13 @@ impl Mamba2Mixer {
         Ok(Self {
             dims: dims.clone(),
             layer,
-            in_proj: projection(&vb, "in_proj", dims.in_proj_dim(), dims.hidden, dims.in_bias, grad, vars)?,
+            in_proj: Linear::load_trainable(&vb, "in_proj", dims.hidden, dims.in_proj_dim(), dims.in_bias, grad, vars)?,
             conv: ShortConv::load(vb.pp("conv1d"), dims.conv_dim(), dims.conv_kernel, dims.conv_bias)?,
             dt_bias: Derived::new(vb.get(h, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
             neg_a: Derived::new(vb.get(h, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
             d_skip,
             norm,
-            out_proj: linear_b(dims.d_inner, dims.hidden, dims.out_bias, vb.pp("out_proj"))?,
+            out_proj: Linear::load(vb.pp("out_proj"), dims.d_inner, dims.hidden, dims.out_bias)?,
         })
     }
 

@@ -3,11 +3,12 @@
 //! key part, causal softmax, and no positional embedding. Decoding caches the expanded keys
 //! and values.
 
+use super::linear::Linear;
 use crate::model::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
-use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MlaDims {
@@ -37,11 +38,11 @@ impl Mla {
         let qk = d.nope + d.shared;
         Ok(Self {
             d,
-            q_proj: linear_no_bias(d.hidden, d.heads * qk, vb.pp("q_proj"))?,
-            kv_a: linear_no_bias(d.hidden, d.kv_rank + d.shared, vb.pp("kv_a_proj_with_mqa"))?,
+            q_proj: Linear::load(vb.pp("q_proj"), d.hidden, d.heads * qk, false)?,
+            kv_a: Linear::load(vb.pp("kv_a_proj_with_mqa"), d.hidden, d.kv_rank + d.shared, false)?,
             kv_norm: RmsNorm::load(vb.pp("kv_a_layernorm"), d.kv_rank, d.latent_eps, NormWeight::Plain)?,
-            kv_b: linear_no_bias(d.kv_rank, d.heads * (d.nope + d.v_head), vb.pp("kv_b_proj"))?,
-            o_proj: linear_no_bias(d.heads * d.v_head, d.hidden, vb.pp("o_proj"))?,
+            kv_b: Linear::load(vb.pp("kv_b_proj"), d.kv_rank, d.heads * (d.nope + d.v_head), false)?,
+            o_proj: Linear::load(vb.pp("o_proj"), d.heads * d.v_head, d.hidden, false)?,
         })
     }
 

@@ -1,9 +1,60 @@
 //! Feed-forward blocks: SwiGLU (with Falcon-H1's muP multipliers) and Nemotron-H's squared ReLU.
 
-use crate::ops::mlp::SwiGlu;
+use super::linear::Linear;
 use anyhow::Result;
 use candle_core::{Module, Tensor};
-use candle_nn::{linear_b, Linear, VarBuilder};
+use candle_nn::VarBuilder;
+
+/// down(silu(gate(x)) · up(x)) (fla `GatedMLP`, Qwen3.5 `Qwen3_5MLP`).
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    /// Off the CPU, gate and up stacked in one matrix (`gate` and `up` are views of its halves,
+    /// so it costs no memory): one matmul and one `ops::mlp::Swiglu` kernel instead of two and
+    /// three.
+    stacked: Option<Linear>,
+}
+
+impl SwiGlu {
+    pub fn new(gate: Linear, up: Linear, down: Linear) -> Self {
+        Self { gate, up, down, stacked: None }
+    }
+
+    /// `gate_proj`, `up_proj`, `down_proj` under `vb`, without biases.
+    pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
+        let lin = |name: &str, inp: usize, out: usize| Linear::load(vb.pp(name), inp, out, false);
+        let gate = lin("gate_proj", hidden, intermediate)?;
+        let up = lin("up_proj", hidden, intermediate)?;
+        let down = lin("down_proj", intermediate, hidden)?;
+        if vb.device().is_cpu() {
+            return Ok(Self::new(gate, up, down));
+        }
+        let stacked = Linear::new(Tensor::cat(&[gate.weight(), up.weight()], 0)?, None);
+        Self::stacked(stacked, down)
+    }
+
+    /// Gate and up as the two halves [2I, H] (gate first) of one projection: row views of it.
+    pub fn stacked(gate_up: Linear, down: Linear) -> Result<Self> {
+        let i = gate_up.weight().dim(0)? / 2;
+        let (gate, up) = (gate_up.rows(0, i)?, gate_up.rows(i, i)?);
+        Ok(Self { gate, up, down, stacked: Some(gate_up) })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // The fused kernel reads the stacked base weight only: not with an adapter on it.
+        let fused = self
+            .stacked
+            .as_ref()
+            .filter(|s| s.adapter().is_none() && crate::ops::fusable(&[x, s.weight(), self.down.weight()]));
+        if let Some(s) = fused {
+            return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu(&crate::ops::linear(s, x)?)?)?);
+        }
+        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        Ok(self.down.forward(&h)?)
+    }
+}
 
 pub enum Mlp {
     /// down(silu(gate(x)) · up(x))
@@ -19,15 +70,15 @@ impl Mlp {
     /// Granite's `input_linear` and the fused expert tensors store them; views, no copy.
     pub fn swiglu_stacked(gate_up: &Tensor, down: Tensor) -> Result<Self> {
         let i = gate_up.dim(0)? / 2;
-        let lin = |t: Tensor| Linear::new(t, None);
-        Ok(Mlp::SwiGlu(SwiGlu::new(lin(gate_up.narrow(0, 0, i)?), lin(gate_up.narrow(0, i, i)?), lin(down))))
+        let gate_up = Linear::new(gate_up.clone(), None);
+        Ok(Mlp::SwiGlu(SwiGlu::new(gate_up.rows(0, i)?, gate_up.rows(i, i)?, Linear::new(down, None))))
     }
 
     /// `up_proj` / `down_proj` under `vb` with a squared ReLU between them.
     pub fn relu2(vb: VarBuilder, hidden: usize, intermediate: usize, bias: bool) -> Result<Self> {
         Ok(Mlp::Relu2 {
-            up: linear_b(hidden, intermediate, bias, vb.pp("up_proj"))?,
-            down: linear_b(intermediate, hidden, bias, vb.pp("down_proj"))?,
+            up: Linear::load(vb.pp("up_proj"), hidden, intermediate, bias)?,
+            down: Linear::load(vb.pp("down_proj"), intermediate, hidden, bias)?,
         })
     }
 

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod linear;
 pub mod linear_attention;
 pub mod mamba2;
 pub mod mla;

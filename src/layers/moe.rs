@@ -6,10 +6,11 @@
 //! sigmoid scores with a selection-only correction bias, group-limited top-k and a routed
 //! scaling factor (Nemotron 3, Kimi Linear).
 
+use super::linear::Linear;
 use super::mlp::Mlp;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 pub enum Router {
     /// Softmax over every expert; the top-k weights are renormalised to sum to 1 when `norm`.
@@ -150,20 +151,20 @@ impl Moe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::mlp::SwiGlu;
+    use crate::layers::mlp::SwiGlu;
     use candle_core::Device;
-    use candle_nn::{linear_no_bias, VarMap};
+    use candle_nn::VarMap;
 
     fn moe(vb: &VarBuilder, h: usize, e: usize, k: usize, router: Router, gated: bool) -> Moe {
         let mlp = |p: String| Mlp::SwiGlu(SwiGlu::load(vb.pp(p), h, 4).unwrap());
         Moe {
-            gate: linear_no_bias(h, e, vb.pp("gate")).unwrap(),
+            gate: Linear::load(vb.pp("gate"), h, e, false).unwrap(),
             router,
             top_k: k,
             experts: (0..e).map(|x| mlp(format!("experts.{x}"))).collect(),
             shared: Some(Shared {
                 mlp: mlp("shared".into()),
-                gate: gated.then(|| linear_no_bias(h, 1, vb.pp("shared_gate")).unwrap()),
+                gate: gated.then(|| Linear::load(vb.pp("shared_gate"), h, 1, false).unwrap()),
             }),
         }
     }

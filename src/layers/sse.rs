@@ -10,7 +10,8 @@
 //!   o = S0ᵀ(scale q1) + Σ_{p∈T} e_p Spᵀ(scale q2), then o_norm gated by g_proj, o_proj.
 //! where step is GLA's `diag(exp g) S + k vᵀ` or the gated delta rule.
 
-use crate::model::{projection, LayerCache, Observer};
+use super::linear::Linear;
+use crate::model::{LayerCache, Observer};
 use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
@@ -18,7 +19,7 @@ use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::softplus;
 use anyhow::{Context, Result};
 use candle_core::{DType, Module, Tensor, Var, D};
-use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// How the layer combines its N+1 partitions (all three compute the same function).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +72,7 @@ struct LowRank(Linear, Linear);
 
 impl LowRank {
     fn load(vb: VarBuilder, inp: usize, mid: usize, out: usize, bias: bool) -> Result<Self> {
-        Ok(Self(linear_no_bias(inp, mid, vb.pp("0"))?, linear_b(mid, out, bias, vb.pp("1"))?))
+        Ok(Self(Linear::load(vb.pp("0"), inp, mid, false)?, Linear::load(vb.pp("1"), mid, out, bias)?))
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
@@ -144,8 +145,8 @@ impl SseMixer {
                 Gates::Gla([gk(0)?, gk(1)?])
             }
             Transition::Gdn => Gates::Gdn {
-                a_proj: linear_no_bias(hid, 2 * d.heads, vb.pp("a_proj"))?,
-                b_proj: linear_no_bias(hid, 2 * d.heads, vb.pp("b_proj"))?,
+                a_proj: Linear::load(vb.pp("a_proj"), hid, 2 * d.heads, false)?,
+                b_proj: Linear::load(vb.pp("b_proj"), hid, 2 * d.heads, false)?,
                 neg_a: Derived::new(vb.get(2 * d.heads, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,
                 dt_bias: Derived::new(vb.get(2 * d.heads, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
                 beta_scale: if d.allow_neg_eigval { 2.0 } else { 1.0 },
@@ -154,17 +155,17 @@ impl SseMixer {
         Ok(Self {
             d,
             layer,
-            q_proj: projection(&vb, "q_proj", kd, hid, false, grad, vars)?,
-            k_proj: projection(&vb, "k_proj", kd, hid, false, grad, vars)?,
-            v_proj: linear_no_bias(hid, vd, vb.pp("v_proj"))?,
+            q_proj: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad, vars)?,
+            k_proj: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad, vars)?,
+            v_proj: Linear::load(vb.pp("v_proj"), hid, vd, false)?,
             lora_q: LowRank::load(vb.pp("lora_q_proj"), hid, d.dv, kd, false)?,
             lora_k: LowRank::load(vb.pp("lora_k_proj"), hid, d.dv, kd, false)?,
             gates,
-            e_proj: linear_no_bias(hid, d.partitions, vb.pp("e_proj"))?,
+            e_proj: Linear::load(vb.pp("e_proj"), hid, d.partitions, false)?,
             conv,
             g_proj: if d.use_output_gate { Some(LowRank::load(vb.pp("g_proj"), hid, d.dv, vd, false)?) } else { None },
             o_norm: RmsNorm::load(vb.pp("o_norm"), d.dv, d.norm_eps, NormWeight::Plain)?,
-            o_proj: linear_no_bias(vd, hid, vb.pp("o_proj"))?,
+            o_proj: Linear::load(vb.pp("o_proj"), vd, hid, false)?,
         })
     }
 

@@ -19,6 +19,8 @@ pub trait Block: Send + Sync {
 /// `scale` (muP: Granite's 1/logits_scaling, Falcon-H1's lm_head_multiplier; 1 elsewhere).
 pub struct Head {
     pub norm: RmsNorm,
+    /// candle's own layer, not `layers::linear::Linear`: the model core sits below the layer
+    /// library, and the head is neither adapted nor sliced (pruning leaves it whole).
     pub lm_head: Linear,
     pub scale: f64,
 }

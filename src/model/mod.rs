@@ -17,7 +17,6 @@ pub mod trainable;
 pub use cache::{DecodeCache, LayerCache};
 pub use causal_lm::CausalLm;
 pub use geometry::{RowSlice, SliceRole};
-pub(crate) use load::projection;
 pub use load::LoadOptions;
 pub use observer::{NoObserver, Observer};
 pub use recurrence::run_recurrence;

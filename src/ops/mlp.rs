@@ -1,43 +1,11 @@
-//! SwiGLU MLP: down(silu(gate(x)) * up(x)) (fla `GatedMLP`, Qwen3.5 `Qwen3_5MLP`).
+//! SwiGLU's activation as one op over the stacked gate|up projection's output (the layer
+//! itself is `layers::mlp::SwiGlu`).
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
-use candle_nn::{linear_no_bias, Linear, Module, VarBuilder};
 
-#[derive(Debug, Clone)]
-pub struct SwiGlu {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-    /// Off the CPU, gate and up stacked in one matrix (`gate` and `up` are views of its halves,
-    /// so it costs no memory): one matmul and one [`Swiglu`] kernel instead of two and three.
-    stacked: Option<Linear>,
-}
-
-impl SwiGlu {
-    pub fn new(gate: Linear, up: Linear, down: Linear) -> Self {
-        Self { gate, up, down, stacked: None }
-    }
-
-    pub fn load(vb: VarBuilder, hidden: usize, intermediate: usize) -> Result<Self> {
-        let gate = linear_no_bias(hidden, intermediate, vb.pp("gate_proj"))?;
-        let up = linear_no_bias(hidden, intermediate, vb.pp("up_proj"))?;
-        let down = linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?;
-        if vb.device().is_cpu() {
-            return Ok(Self::new(gate, up, down));
-        }
-        let w = Tensor::cat(&[gate.weight(), up.weight()], 0)?;
-        let half =
-            |i: usize| Ok::<_, candle_core::Error>(Linear::new(w.narrow(0, i * intermediate, intermediate)?, None));
-        Ok(Self { gate: half(0)?, up: half(1)?, down, stacked: Some(Linear::new(w, None)) })
-    }
-
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(s) = self.stacked.as_ref().filter(|s| super::fusable(&[x, s.weight(), self.down.weight()])) {
-            return super::linear(&self.down, &super::linear(s, x)?.apply_op1_no_bwd(&Swiglu)?);
-        }
-        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
-        self.down.forward(&h)
-    }
+/// silu(gate) · up of x [.., 2n] = [gate | up] by [`Swiglu`] (no backward).
+pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
+    gate_up.apply_op1_no_bwd(&Swiglu)
 }
 
 /// silu(gate) · up on [.., 2n] = [gate | up], in float32, rounded once: the stacked

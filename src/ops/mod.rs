@@ -18,8 +18,7 @@ use candle_core::{Layout, Result, Tensor};
 /// `lin` on x [.., in]. Off the CPU the leading dimensions are folded into one, so a batch
 /// of single tokens is one matrix product that reads the weight once, not one product per
 /// sequence; the CPU keeps candle's own path, the reference.
-pub fn linear(lin: &candle_nn::Linear, x: &Tensor) -> Result<Tensor> {
-    use candle_nn::Module;
+pub fn linear<M: candle_core::Module>(lin: &M, x: &Tensor) -> Result<Tensor> {
     let dims = x.dims();
     if x.device().is_cpu() || dims.len() < 3 {
         return lin.forward(x);

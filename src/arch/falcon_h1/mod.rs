@@ -13,13 +13,14 @@ use super::{parse_as, Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::attention::{Attention, AttentionSpec, Rope};
 use crate::layers::block::{Layer, Step, Sublayer};
+use crate::layers::linear::Linear;
 use crate::layers::mamba2::{Mamba2Dims, Mamba2Mixer, OutputNorm};
 use crate::layers::mlp::Mlp;
 use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_nn::{linear_b, VarBuilder};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -239,9 +240,9 @@ impl Family for FalconH1Family {
             let f = l.pp("feed_forward");
             let (h, n, b) = (c.hidden, c.intermediate, c.mlp_bias);
             let mlp = Mlp::ScaledSwiGlu {
-                gate: linear_b(h, n, b, f.pp("gate_proj"))?,
-                up: linear_b(h, n, b, f.pp("up_proj"))?,
-                down: linear_b(n, h, b, f.pp("down_proj"))?,
+                gate: Linear::load(f.pp("gate_proj"), h, n, b)?,
+                up: Linear::load(f.pp("up_proj"), h, n, b)?,
+                down: Linear::load(f.pp("down_proj"), n, h, b)?,
                 gate_scale: c.mlp_scales[0],
                 down_scale: c.mlp_scales[1],
             };

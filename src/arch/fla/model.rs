@@ -4,18 +4,18 @@
 //! wired onto the shared linear-attention mixer.
 
 use super::{Dims, FlaConfig, Kind};
-use crate::arch::{projection, LoadOptions};
+use crate::arch::LoadOptions;
 use crate::layers::block::{Layer, Step, Sublayer};
+use crate::layers::linear::Linear;
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
-use crate::layers::mlp::Mlp;
+use crate::layers::mlp::{Mlp, SwiGlu};
 use crate::layers::stack::{Stack, StackSpec};
 use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
-use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{DType, Var};
-use candle_nn::{linear_no_bias, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// The sizes of an fla block stack.
 pub struct StackShape {
@@ -84,10 +84,10 @@ fn load(
     } else {
         None
     };
-    let lin = |name: &str, out: usize| linear_no_bias(hid, out, vb.pp(name));
+    let lin = |name: &str, out: usize| Linear::load(vb.pp(name), hid, out, false);
     let proj = Projections::Separate {
-        q: projection(&vb, "q_proj", kd, hid, false, grad, vars)?,
-        k: projection(&vb, "k_proj", kd, hid, false, grad, vars)?,
+        q: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad, vars)?,
+        k: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad, vars)?,
         v: lin("v_proj", vd)?,
         b: if gated || cfg.use_beta { Some(lin("b_proj", d.v_heads)?) } else { None },
         a: if gated { Some(lin("a_proj", d.v_heads)?) } else { None },
@@ -112,7 +112,7 @@ fn load(
         gate: if d.use_gate { OutputGate::Silu } else { OutputGate::None },
         beta_scale: if cfg.allow_neg_eigval { 2.0 } else { 1.0 },
         norm: RmsNorm::load(vb.pp("o_norm"), d.dv, cfg.norm_eps, NormWeight::Plain)?,
-        o_proj: linear_no_bias(vd, hid, vb.pp("o_proj"))?,
+        o_proj: Linear::load(vb.pp("o_proj"), vd, hid, false)?,
     })
 }
 

@@ -12,6 +12,7 @@ use super::{parse_as, Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::attention::{Attention, AttentionSpec, Rope};
 use crate::layers::block::{Layer, Step, Sublayer};
+use crate::layers::linear::Linear;
 use crate::layers::mamba2::{Mamba2Dims, Mamba2Mixer, OutputNorm};
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
@@ -19,7 +20,7 @@ use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_nn::{linear_no_bias, VarBuilder};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -215,7 +216,7 @@ impl GraniteConfig {
         let down = m.get((e, h, i), "output_linear.weight")?;
         let experts = (0..e).map(|x| Mlp::swiglu_stacked(&gate_up.get(x)?, down.get(x)?)).collect::<Result<_>>()?;
         Ok(Sublayer::Moe(Moe {
-            gate: linear_no_bias(h, e, m.pp("router.layer"))?,
+            gate: Linear::load(m.pp("router.layer"), h, e, false)?,
             // softmax over the top-k logits = softmax over all, renormalised on the top k
             router: Router::Softmax { norm: true },
             top_k: k,

@@ -13,18 +13,18 @@ use super::layered::Layers;
 use super::{parse_as, Family, LayerState, LoadOptions, RowSlice, SliceRole, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::block::{Layer, Step, Sublayer};
+use crate::layers::linear::Linear;
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
 use crate::layers::mla::{Mla, MlaDims};
-use crate::layers::mlp::Mlp;
+use crate::layers::mlp::{Mlp, SwiGlu};
 use crate::layers::moe::{Moe, Router, Shared};
 use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
-use crate::ops::mlp::SwiGlu;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_nn::{linear_no_bias, VarBuilder};
+use candle_nn::VarBuilder;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -197,7 +197,7 @@ impl KimiConfig {
         let experts = (0..self.experts)
             .map(|e| {
                 let x = m.pp(format!("experts.{e}"));
-                let lin = |name: &str, o: usize, i: usize| linear_no_bias(i, o, x.pp(name));
+                let lin = |name: &str, o: usize, i: usize| Linear::load(x.pp(name), i, o, false);
                 Ok(Mlp::SwiGlu(SwiGlu::new(lin("w1", n, h)?, lin("w3", n, h)?, lin("w2", h, n)?)))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -206,7 +206,7 @@ impl KimiConfig {
             s => Some(Shared { mlp: Mlp::SwiGlu(SwiGlu::load(m.pp("shared_experts"), h, n * s)?), gate: None }),
         };
         Ok(Sublayer::Moe(Moe {
-            gate: linear_no_bias(h, self.experts, m.pp("gate"))?,
+            gate: Linear::load(m.pp("gate"), h, self.experts, false)?,
             router: Router::sigmoid(
                 &m.pp("gate"),
                 self.experts,
@@ -233,14 +233,14 @@ fn kda(
 ) -> Result<LinearAttention> {
     let d = c.kda_dims;
     let (hk, hv) = (d.heads * d.dk, d.v_heads * d.dv);
-    let lin = |name: &str, i: usize, o: usize| linear_no_bias(i, o, vb.pp(name));
+    let lin = |name: &str, i: usize, o: usize| Linear::load(vb.pp(name), i, o, false);
     let f32 = DType::F32;
     Ok(LinearAttention {
         dims: d,
         layer,
         proj: Projections::Separate {
-            q: crate::arch::projection(&vb, "q_proj", hk, d.hidden, false, grad, vars)?,
-            k: crate::arch::projection(&vb, "k_proj", hk, d.hidden, false, grad, vars)?,
+            q: Linear::load_trainable(&vb, "q_proj", d.hidden, hk, false, grad, vars)?,
+            k: Linear::load_trainable(&vb, "k_proj", d.hidden, hk, false, grad, vars)?,
             v: lin("v_proj", d.hidden, hv)?,
             b: Some(lin("b_proj", d.hidden, d.v_heads)?),
             a: None,

@@ -12,13 +12,14 @@ use super::{Family, LoadOptions, StateLayout};
 use crate::checkpoint::Checkpoint;
 use crate::layers::attention::Attention;
 use crate::layers::block::{Layer, Step, Sublayer};
+use crate::layers::linear::Linear;
 use crate::layers::mamba2::Mamba2Mixer;
 use crate::layers::mlp::Mlp;
 use crate::layers::moe::{Moe, Router, Shared};
 use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{Context, Result};
-use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 use serde_json::Value;
 
 pub use config::{BlockKind, NemotronHConfig};
@@ -42,7 +43,7 @@ fn moe(vb: &VarBuilder, c: &NemotronHConfig) -> Result<Moe> {
         (0..m.experts).map(|e| Mlp::relu2(vb.pp(format!("experts.{e}")), h, i, false)).collect::<Result<Vec<_>>>()?
     };
     Ok(Moe {
-        gate: linear_no_bias(h, m.experts, vb.pp("gate"))?,
+        gate: Linear::load(vb.pp("gate"), h, m.experts, false)?,
         router: Router::sigmoid(&vb.pp("gate"), m.experts, m.groups, m.topk_groups, m.norm, m.scale)?,
         top_k: m.top_k,
         experts,

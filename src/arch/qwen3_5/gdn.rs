@@ -2,14 +2,14 @@
 //! `Qwen3NextGatedDeltaNet`): their tensor names and sizes on the shared linear-attention mixer.
 
 use super::config::TextConfig;
-use crate::arch::projection;
+use crate::layers::linear::Linear;
 use crate::layers::linear_attention::{Decay, LinearAttention, LinearDims, OutputGate, Projections};
 use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
 use candle_core::{DType, Var};
-use candle_nn::{linear_no_bias, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// Linear-attention sizes.
 #[derive(Debug, Clone, Copy)]
@@ -61,15 +61,15 @@ pub fn load(
     let d = Dims::new(c);
     let proj = if fused {
         Projections::QwenFused {
-            qkvz: projection(&vb, "in_proj_qkvz", d.hk * d.fused_block(), d.hidden, false, grad, vars)?,
-            ba: linear_no_bias(d.hidden, 2 * d.hv, vb.pp("in_proj_ba"))?,
+            qkvz: Linear::load_trainable(&vb, "in_proj_qkvz", d.hidden, d.hk * d.fused_block(), false, grad, vars)?,
+            ba: Linear::load(vb.pp("in_proj_ba"), d.hidden, 2 * d.hv, false)?,
         }
     } else {
         Projections::QwenSplit {
-            qkv: projection(&vb, "in_proj_qkv", d.conv_dim(), d.hidden, false, grad, vars)?,
-            z: linear_no_bias(d.hidden, d.hv * d.dv, vb.pp("in_proj_z"))?,
-            b: linear_no_bias(d.hidden, d.hv, vb.pp("in_proj_b"))?,
-            a: linear_no_bias(d.hidden, d.hv, vb.pp("in_proj_a"))?,
+            qkv: Linear::load_trainable(&vb, "in_proj_qkv", d.hidden, d.conv_dim(), false, grad, vars)?,
+            z: Linear::load(vb.pp("in_proj_z"), d.hidden, d.hv * d.dv, false)?,
+            b: Linear::load(vb.pp("in_proj_b"), d.hidden, d.hv, false)?,
+            a: Linear::load(vb.pp("in_proj_a"), d.hidden, d.hv, false)?,
         }
         .stacked()?
     };
@@ -86,6 +86,6 @@ pub fn load(
         beta_scale: 1.0,
         // norm before gate with a plain weight (Qwen3NextRMSNormGated)
         norm: RmsNorm::load(vb.pp("norm"), d.dv, c.rms_norm_eps, NormWeight::Plain)?,
-        o_proj: linear_no_bias(d.hv * d.dv, d.hidden, vb.pp("out_proj"))?,
+        o_proj: Linear::load(vb.pp("out_proj"), d.hv * d.dv, d.hidden, false)?,
     })
 }

@@ -4,11 +4,11 @@
 //! sigmoid(shared_expert_gate(x)). This file holds the tensor names and storage layouts.
 
 use super::config::Moe;
-use crate::layers::mlp::Mlp;
+use crate::layers::linear::Linear;
+use crate::layers::mlp::{Mlp, SwiGlu};
 use crate::layers::moe::{self, Router, Shared};
-use crate::ops::mlp::SwiGlu;
 use anyhow::{Context, Result};
-use candle_nn::{linear_no_bias, VarBuilder};
+use candle_nn::VarBuilder;
 
 /// How a checkpoint stores the routed experts, told apart by the tensor names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,13 +58,13 @@ pub fn load(vb: VarBuilder, hidden: usize, cfg: Moe) -> Result<moe::Moe> {
         )
     })?;
     Ok(moe::Moe {
-        gate: linear_no_bias(hidden, cfg.experts, vb.pp("gate"))?,
+        gate: Linear::load(vb.pp("gate"), hidden, cfg.experts, false)?,
         router: Router::Softmax { norm: cfg.norm_topk_prob },
         top_k: cfg.top_k,
         experts,
         shared: Some(Shared {
             mlp: Mlp::SwiGlu(SwiGlu::load(vb.pp("shared_expert"), hidden, cfg.shared_intermediate)?),
-            gate: Some(linear_no_bias(hidden, 1, vb.pp("shared_expert_gate"))?),
+            gate: Some(Linear::load(vb.pp("shared_expert_gate"), hidden, 1, false)?),
         }),
     })
 }
