@@ -236,7 +236,7 @@ pub fn run_layer_major(
         Ok(Tensor::cat(&parts, 0)?.to_device(&dev)?)
     };
     for i in 0..n_blocks {
-        let blk = layered::load_block(layers, i, &mut Vec::new())?;
+        let blk = layered::load_block(layers, i)?;
         note_device_memory(&dev);
         let mut next = Vec::with_capacity(seqs.len());
         for (first, n) in passes(seqs, pass_size(batch, &dev, seqlen, d_model)) {

@@ -87,6 +87,11 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+    }
+
     pub fn load(vb: VarBuilder, spec: &AttentionSpec) -> Result<Self> {
         let (hq, hkv, hd, hid) = (spec.heads, spec.kv_heads, spec.head_dim, spec.hidden);
         if hkv == 0 || !hq.is_multiple_of(hkv) || spec.rope.is_some_and(|r| r.dim > hd || r.dim % 2 == 1) {

@@ -5,6 +5,7 @@
 //! GPUs when no gradient flows).
 
 use super::attention::Attention;
+use super::linear::Linear;
 use super::linear_attention::LinearAttention;
 use super::mamba2::Mamba2Mixer;
 use super::mla::Mla;
@@ -16,7 +17,7 @@ use crate::model::{LayerCache, Observer};
 use crate::ops::norm::RmsNorm;
 use crate::profile::mark;
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{Tensor, Var};
 
 /// What one residual step runs.
 pub enum Sublayer {
@@ -72,6 +73,20 @@ impl Sublayer {
         }
     }
 
+    /// The projections of this sublayer, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Sublayer::Mamba2(m) => m.linears(),
+            Sublayer::Attention(a) => a.linears(),
+            Sublayer::Linear(m) => m.linears(),
+            Sublayer::Mla(m) => m.linears(),
+            Sublayer::Mlp(m) => m.linears(),
+            Sublayer::Moe(m) => m.linears(),
+            Sublayer::Sse(m, _) => m.linears(),
+            Sublayer::Parallel(branches) => branches.iter().flat_map(|(b, _, _)| b.linears()).collect(),
+        }
+    }
+
     fn label(&self) -> &'static str {
         match self {
             Sublayer::Mlp(_) | Sublayer::Moe(_) => "mlp",
@@ -117,5 +132,11 @@ impl layered::Block for Layer {
             h = (h + y)?;
         }
         Ok(h)
+    }
+
+    fn params(&self, out: &mut Vec<(String, Var)>) {
+        for l in self.steps.iter().flat_map(|s| s.sublayer.linears()) {
+            l.params(out);
+        }
     }
 }

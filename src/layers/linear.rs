@@ -28,21 +28,32 @@ pub struct Linear {
     base: candle_nn::Linear,
     /// Boxed: most projections have none, and layers hold many projections.
     adapter: Option<Box<Adapter>>,
+    /// Boxed, as the adapter: the name and the variable, for a projection loaded whole.
+    named: Option<Box<Named>>,
+}
+
+/// A projection loaded whole: its weight's checkpoint name, and the weight as a variable when
+/// it trains (a view of rows or columns has neither).
+#[derive(Debug, Clone)]
+struct Named {
+    name: String,
+    var: Option<Var>,
 }
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { base: candle_nn::Linear::new(weight, bias), adapter: None }
+        Self { base: candle_nn::Linear::new(weight, bias), adapter: None, named: None }
     }
 
     /// `weight` [out_dim, in_dim] (and `bias` [out_dim]) under `vb`: `candle_nn::linear_b`,
     /// whose initialisation hints a `VarMap` builder follows.
     pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self> {
-        Ok(Self { base: candle_nn::linear_b(in_dim, out_dim, bias, vb)?, adapter: None })
+        let named = Some(Box::new(Named { name: format!("{}.weight", vb.prefix()), var: None }));
+        Ok(Self { base: candle_nn::linear_b(in_dim, out_dim, bias, vb)?, adapter: None, named })
     }
 
-    /// The projection `name` under `vb`; with `grad` its weight is a variable, registered in
-    /// `vars` under its checkpoint name, so that a loss can be differentiated with respect to it.
+    /// The projection `name` under `vb`; with `grad` its weight is a variable (see
+    /// [`Linear::trainable`]), so that a loss can be differentiated with respect to it.
     pub fn load_trainable(
         vb: &VarBuilder,
         name: &str,
@@ -50,22 +61,38 @@ impl Linear {
         out_dim: usize,
         bias: bool,
         grad: bool,
-        vars: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
-        let vb = vb.pp(name);
-        let lin = Self::load(vb.clone(), in_dim, out_dim, bias)?;
-        if !grad {
-            return Ok(lin);
+        let lin = Self::load(vb.pp(name), in_dim, out_dim, bias)?;
+        if grad {
+            lin.trainable()
+        } else {
+            Ok(lin)
         }
-        lin.trainable(format!("{}.weight", vb.prefix()), vars)
     }
 
-    /// The same projection with its base weight a variable, registered in `vars` as `name`.
-    pub fn trainable(self, name: String, vars: &mut Vec<(String, Var)>) -> Result<Self> {
+    /// The same projection with its base weight a variable, which [`Linear::params`] reports
+    /// under the weight's checkpoint name.
+    pub fn trainable(self) -> Result<Self> {
+        let Some(named) = &self.named else { bail!("only a projection loaded under its checkpoint name can train") };
         let var = Var::from_tensor(self.weight())?;
-        vars.push((name, var.clone()));
         let base = candle_nn::Linear::new(var.as_tensor().clone(), self.bias().cloned());
-        Ok(Self { base, adapter: self.adapter })
+        let named = Some(Box::new(Named { name: named.name.clone(), var: Some(var) }));
+        Ok(Self { base, named, ..self })
+    }
+
+    /// The trained tensors of this projection, named as the checkpoint names them: the base
+    /// weight when it trains, and an adapter's factors as `<name>.lora_A` / `<name>.lora_B`
+    /// (PEFT's names, `.weight` dropped).
+    pub fn params(&self, out: &mut Vec<(String, Var)>) {
+        let Some(Named { name, var }) = self.named.as_deref() else { return };
+        if let Some(v) = var {
+            out.push((name.clone(), v.clone()));
+        }
+        if let Some(ad) = &self.adapter {
+            let stem = name.strip_suffix(".weight").unwrap_or(name);
+            out.push((format!("{stem}.lora_A"), ad.a.clone()));
+            out.push((format!("{stem}.lora_B"), ad.b.clone()));
+        }
     }
 
     /// The base weight [out, in].
@@ -133,7 +160,8 @@ impl Linear {
 
     /// The projection with the adapter merged into its base weight.
     pub fn into_merged(self) -> Result<Self> {
-        Ok(Self::new(self.merged()?, self.bias().cloned()))
+        let named = self.named.as_ref().map(|n| Box::new(Named { name: n.name.clone(), var: None }));
+        Ok(Self { named, ..Self::new(self.merged()?, self.bias().cloned()) })
     }
 }
 
@@ -323,17 +351,26 @@ mod tests {
         let ts = [("layer.q_proj.weight", &[4, 3][..]), ("layer.q_proj.bias", &[4]), ("layer.k_proj.weight", &[4, 3])];
         let ts = ts.iter().map(|(n, s)| (n.to_string(), rand(&mut rng, s))).collect();
         let vb = VarBuilder::from_tensors(ts, DType::F32, &dev).pp("layer");
-        let mut vars = Vec::new();
-        let frozen = Linear::load_trainable(&vb, "q_proj", 3, 4, true, false, &mut vars)?;
-        assert!(vars.is_empty() && frozen.is_plain());
-        let lin = Linear::load_trainable(&vb, "k_proj", 3, 4, false, true, &mut vars)?;
+        let params = |l: &Linear| {
+            let mut out = Vec::new();
+            l.params(&mut out);
+            out
+        };
+        let frozen = Linear::load_trainable(&vb, "q_proj", 3, 4, true, false)?;
+        assert!(params(&frozen).is_empty() && frozen.is_plain());
+        let lin = Linear::load_trainable(&vb, "k_proj", 3, 4, false, true)?;
+        let vars = params(&lin);
         assert_eq!(vars.len(), 1);
         assert_eq!(vars[0].0, "layer.k_proj.weight");
         assert!(lin.weight().is_variable() && !lin.is_plain());
         assert_eq!(lin.weight().id(), vars[0].1.as_tensor().id());
         assert!(frozen.clone().with_adapter(adapter(&mut rng, 3, 4, 2, 1.0)).is_err(), "A, B transposed");
         let adapted = frozen.with_adapter(adapter(&mut rng, 4, 3, 2, 1.0))?;
+        let names: Vec<String> = params(&adapted).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["layer.q_proj.lora_A", "layer.q_proj.lora_B"]);
         assert!(adapted.rows(0, 2).is_err() && adapted.cols(0, 2).is_err());
+        // A view is not a checkpoint tensor: it cannot train and reports nothing.
+        assert!(lin.rows(0, 2)?.trainable().is_err());
         Ok(())
     }
 }

@@ -178,6 +178,28 @@ pub struct LinearAttention {
 }
 
 impl LinearAttention {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = match &self.proj {
+            Projections::Separate { q, k, v, b, a, z } => {
+                let mut o = vec![q, k, v];
+                o.extend(b.iter().chain(a).chain(z));
+                o
+            }
+            Projections::QwenSplit { qkv, z, b, a } => vec![qkv, z, b, a],
+            Projections::QwenFused { qkvz, ba } => vec![qkvz, ba],
+            Projections::Stacked { all, .. } => vec![all],
+        };
+        if let Decay::PerChannel { f_a, f_b, .. } = &self.decay {
+            out.extend([f_a, f_b]);
+        }
+        if let OutputGate::SigmoidLowRank { g_a, g_b } = &self.gate {
+            out.extend([g_a, g_b]);
+        }
+        out.push(&self.o_proj);
+        out
+    }
+
     /// `cache`: conv history and recurrent state carried between decoding calls.
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let d = self.dims;

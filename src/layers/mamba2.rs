@@ -14,7 +14,7 @@ use crate::ops::derived::Derived;
 use crate::ops::{repeat_heads, softplus};
 use crate::profile::mark;
 use anyhow::Result;
-use candle_core::{DType, Module, Tensor, Var, D};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// The output norm of a Mamba-2 mixer.
@@ -144,6 +144,11 @@ pub struct Mamba2Mixer {
 }
 
 impl Mamba2Mixer {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        vec![&self.in_proj, &self.out_proj]
+    }
+
     /// The mixer under `vb` (`…mixer`), decoder layer `layer`; with `grad` in_proj is a variable.
     /// `stored_shape` gives a checkpoint tensor's shape by name (`D` is stored as [H] or [H, P]).
     pub fn load(
@@ -152,7 +157,6 @@ impl Mamba2Mixer {
         layer: usize,
         stored_shape: &dyn Fn(&str) -> Result<Vec<usize>>,
         grad: bool,
-        vars: &mut Vec<(String, Var)>,
     ) -> Result<Self> {
         let (h, p) = (dims.heads, dims.head_dim);
         let d_shape = stored_shape(&format!("{}.D", vb.prefix()))?.iter().product::<usize>();
@@ -170,7 +174,7 @@ impl Mamba2Mixer {
         Ok(Self {
             dims: dims.clone(),
             layer,
-            in_proj: Linear::load_trainable(&vb, "in_proj", dims.hidden, dims.in_proj_dim(), dims.in_bias, grad, vars)?,
+            in_proj: Linear::load_trainable(&vb, "in_proj", dims.hidden, dims.in_proj_dim(), dims.in_bias, grad)?,
             conv: ShortConv::load(vb.pp("conv1d"), dims.conv_dim(), dims.conv_kernel, dims.conv_bias)?,
             dt_bias: Derived::new(vb.get(h, "dt_bias")?, |t| t.to_dtype(DType::F32))?,
             neg_a: Derived::new(vb.get(h, "A_log")?, |t| t.to_dtype(DType::F32)?.exp()?.neg())?,

@@ -34,6 +34,11 @@ pub struct Mla {
 }
 
 impl Mla {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        vec![&self.q_proj, &self.kv_a, &self.kv_b, &self.o_proj]
+    }
+
     pub fn load(vb: VarBuilder, d: MlaDims) -> Result<Self> {
         let qk = d.nope + d.shared;
         Ok(Self {

@@ -18,6 +18,11 @@ pub struct SwiGlu {
 }
 
 impl SwiGlu {
+    /// The projections (off the CPU, gate and up are views of the stacked one).
+    pub fn linears(&self) -> Vec<&Linear> {
+        vec![&self.gate, &self.up, &self.down]
+    }
+
     pub fn new(gate: Linear, up: Linear, down: Linear) -> Self {
         Self { gate, up, down, stacked: None }
     }
@@ -66,6 +71,15 @@ pub enum Mlp {
 }
 
 impl Mlp {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Mlp::SwiGlu(m) => m.linears(),
+            Mlp::ScaledSwiGlu { gate, up, down, .. } => vec![gate, up, down],
+            Mlp::Relu2 { up, down } => vec![up, down],
+        }
+    }
+
     /// SwiGLU whose gate and up rows are stacked in one tensor [2I, H] (gate first), as
     /// Granite's `input_linear` and the fused expert tensors store them; views, no copy.
     pub fn swiglu_stacked(gate_up: &Tensor, down: Tensor) -> Result<Self> {

@@ -95,6 +95,17 @@ impl Router {
 }
 
 impl Moe {
+    /// The projections: the router, every expert, the shared experts and their gate.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.gate];
+        out.extend(self.experts.iter().flat_map(|e| e.linears()));
+        if let Some(s) = &self.shared {
+            out.extend(s.mlp.linears());
+            out.extend(s.gate.as_ref());
+        }
+        out
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, h) = x.dims3()?;
         let xs = x.reshape((b * t, h))?;

@@ -18,7 +18,7 @@ use crate::ops::derived::Derived;
 use crate::ops::norm::{l2_norm, NormWeight, RmsNorm};
 use crate::ops::softplus;
 use anyhow::{Context, Result};
-use candle_core::{DType, Module, Tensor, Var, D};
+use candle_core::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
 /// How the layer combines its N+1 partitions (all three compute the same function).
@@ -131,7 +131,21 @@ fn at(x: &Tensor, ti: usize) -> Result<Tensor> {
 }
 
 impl SseMixer {
-    pub fn load(vb: VarBuilder, d: Dims, layer: usize, grad: bool, vars: &mut Vec<(String, Var)>) -> Result<Self> {
+    /// The projections, in load order.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.q_proj, &self.k_proj, &self.v_proj];
+        out.extend([&self.lora_q.0, &self.lora_q.1, &self.lora_k.0, &self.lora_k.1]);
+        match &self.gates {
+            Gates::Gla([a, b]) => out.extend([&a.0, &a.1, &b.0, &b.1]),
+            Gates::Gdn { a_proj, b_proj, .. } => out.extend([a_proj, b_proj]),
+        }
+        out.push(&self.e_proj);
+        out.extend(self.g_proj.iter().flat_map(|g| [&g.0, &g.1]));
+        out.push(&self.o_proj);
+        out
+    }
+
+    pub fn load(vb: VarBuilder, d: Dims, layer: usize, grad: bool) -> Result<Self> {
         let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.heads * d.dv);
         let conv = if d.use_short_conv {
             let bias = vb.contains_tensor("q_conv1d_shared.bias");
@@ -155,8 +169,8 @@ impl SseMixer {
         Ok(Self {
             d,
             layer,
-            q_proj: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad, vars)?,
-            k_proj: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad, vars)?,
+            q_proj: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad)?,
+            k_proj: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad)?,
             v_proj: Linear::load(vb.pp("v_proj"), hid, vd, false)?,
             lora_q: LowRank::load(vb.pp("lora_q_proj"), hid, d.dv, kd, false)?,
             lora_k: LowRank::load(vb.pp("lora_k_proj"), hid, d.dv, kd, false)?,

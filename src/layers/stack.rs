@@ -6,7 +6,7 @@ use super::block::Layer;
 use crate::model::layered::{self, Head, Layers};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{Device, Var};
+use candle_core::Device;
 use candle_nn::{Embedding, Linear, VarBuilder};
 
 #[derive(Debug, Clone)]
@@ -39,7 +39,7 @@ pub fn untied_head(has_tensor: impl Fn(&str) -> bool, tied: bool) -> Option<Stri
 }
 
 /// Builds layer `i` under its prefix, registering gradient variables.
-pub type LayerLoader = dyn Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<Layer> + Send + Sync;
+pub type LayerLoader = dyn Fn(VarBuilder, usize) -> Result<Layer> + Send + Sync;
 
 pub struct Stack {
     vb: VarBuilder<'static>,
@@ -63,8 +63,8 @@ impl Layers for Stack {
         Ok(Embedding::new(self.vb.get((self.spec.vocab, self.spec.hidden), &self.spec.embed)?, self.spec.hidden))
     }
 
-    fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn layered::Block>> {
-        Ok(Box::new((self.build)(self.vb.pp(format!("{}.{i}", self.spec.layer_prefix)), i, vars)?))
+    fn block(&self, i: usize) -> Result<Box<dyn layered::Block>> {
+        Ok(Box::new((self.build)(self.vb.pp(format!("{}.{i}", self.spec.layer_prefix)), i)?))
     }
 
     fn head(&self, embed: Option<&Embedding>) -> Result<Head> {

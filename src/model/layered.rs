@@ -13,6 +13,8 @@ use candle_nn::{Embedding, Linear};
 /// One decoder layer: the residual stream in, the residual stream out.
 pub trait Block: Send + Sync {
     fn forward(&self, h: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor>;
+    /// Appends the block's trained tensors to `out`, by checkpoint name.
+    fn params(&self, _out: &mut Vec<(String, Var)>) {}
 }
 
 /// The end of a causal LM: the final norm and the LM head, whose logits are multiplied by
@@ -58,8 +60,8 @@ fn head(
 pub trait Layers: Send + Sync {
     fn num_blocks(&self) -> usize;
     fn embed(&self) -> Result<Embedding>;
-    /// Load block `i`, registering its gradient variables (with `LoadOptions::grad`) in `vars`.
-    fn block(&self, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn Block>>;
+    /// Load block `i` (its trained tensors as variables with `LoadOptions::grad`).
+    fn block(&self, i: usize) -> Result<Box<dyn Block>>;
     /// Load the head; a head tied to the embeddings reuses `embed`'s weight when given.
     fn head(&self, embed: Option<&Embedding>) -> Result<Head>;
     /// Checkpoint name prefix of block `i`'s tensors (`model.layers.{i}.`), to size it.
@@ -83,8 +85,8 @@ pub trait Layers: Send + Sync {
 }
 
 /// Load block `i` with the layer named in any error.
-pub fn load_block(layers: &dyn Layers, i: usize, vars: &mut Vec<(String, Var)>) -> Result<Box<dyn Block>> {
-    layers.block(i, vars).with_context(|| format!("loading layer {i}"))
+pub fn load_block(layers: &dyn Layers, i: usize) -> Result<Box<dyn Block>> {
+    layers.block(i).with_context(|| format!("loading layer {i}"))
 }
 
 /// The embeddings of `ids`, reported to the observer as hidden state 0 where the family does.
@@ -130,8 +132,13 @@ pub struct Resident {
 impl Resident {
     pub fn load(layers: Box<dyn Layers>) -> Result<Self> {
         let embed = layers.embed()?;
+        let blocks: Vec<Box<dyn Block>> =
+            (0..layers.num_blocks()).map(|i| load_block(&*layers, i)).collect::<Result<_>>()?;
+        // The named set of trained tensors: one walk over the loaded layers.
         let mut vars = Vec::new();
-        let blocks = (0..layers.num_blocks()).map(|i| load_block(&*layers, i, &mut vars)).collect::<Result<_>>()?;
+        for b in &blocks {
+            b.params(&mut vars);
+        }
         let head = layers.head(Some(&embed))?;
         Ok(Self { layers, embed, blocks, head, vars })
     }
@@ -188,7 +195,7 @@ impl CausalLm for Streamed {
             c.begin(n, ids.dim(1)?);
         }
         for i in 0..n {
-            let blk = load_block(l, i, &mut Vec::new())?;
+            let blk = load_block(l, i)?;
             let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             h = run_block(l, i, blk.as_ref(), &h, obs, lc)?;
         }

@@ -229,9 +229,9 @@ impl Family for FalconH1Family {
             states_after_blocks: false,
         };
         let (ckpt, grad) = (ckpt.clone(), opts.grad);
-        let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
+        let build = move |l: VarBuilder, i: usize| {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
-            let mamba = Mamba2Mixer::load(l.pp("mamba"), &c.dims, i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad, vars)?;
+            let mamba = Mamba2Mixer::load(l.pp("mamba"), &c.dims, i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad)?;
             let attn = Attention::load(l.pp("self_attn"), &c.attention)?;
             let mixers = Sublayer::Parallel(vec![
                 (Sublayer::Mamba2(mamba), 1.0, c.ssm_out),

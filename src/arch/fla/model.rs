@@ -14,7 +14,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{DType, Var};
+use candle_core::DType;
 use candle_nn::VarBuilder;
 
 /// The sizes of an fla block stack.
@@ -33,7 +33,7 @@ pub fn fla_stack(
     vb: VarBuilder<'static>,
     s: StackShape,
     opts: &LoadOptions,
-    mixer: impl Fn(VarBuilder, usize, &mut Vec<(String, Var)>) -> Result<Sublayer> + Send + Sync + 'static,
+    mixer: impl Fn(VarBuilder, usize) -> Result<Sublayer> + Send + Sync + 'static,
 ) -> Stack {
     let spec = StackSpec {
         vocab: s.vocab,
@@ -50,11 +50,11 @@ pub fn fla_stack(
         states_after_blocks: false,
     };
     let (hidden, intermediate, eps) = (s.hidden, s.intermediate, s.norm_eps);
-    let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, Var)>| -> Result<Layer> {
+    let build = move |l: VarBuilder, i: usize| -> Result<Layer> {
         let norm = |name: &str| RmsNorm::load(l.pp(name), hidden, eps, NormWeight::Plain);
         Ok(Layer {
             steps: vec![
-                Step { norm: norm("attn_norm")?, sublayer: mixer(l.pp("attn"), i, vars)?, scale: 1.0 },
+                Step { norm: norm("attn_norm")?, sublayer: mixer(l.pp("attn"), i)?, scale: 1.0 },
                 Step {
                     norm: norm("mlp_norm")?,
                     sublayer: Sublayer::Mlp(Mlp::SwiGlu(SwiGlu::load(l.pp("mlp"), hidden, intermediate)?)),
@@ -68,14 +68,7 @@ pub fn fla_stack(
 
 /// One DeltaNet / Gated DeltaNet layer (fla `DeltaNet` / `GatedDeltaNet`, under `attn`) as the
 /// shared linear-attention mixer.
-fn load(
-    vb: VarBuilder,
-    cfg: &FlaConfig,
-    d: Dims,
-    layer: usize,
-    grad: bool,
-    vars: &mut Vec<(String, Var)>,
-) -> Result<LinearAttention> {
+fn load(vb: VarBuilder, cfg: &FlaConfig, d: Dims, layer: usize, grad: bool) -> Result<LinearAttention> {
     let (hid, kd, vd) = (d.hidden, d.heads * d.dk, d.v_heads * d.dv);
     let gated = d.kind == Kind::GatedDeltaNet;
     let conv = if cfg.use_short_conv {
@@ -86,8 +79,8 @@ fn load(
     };
     let lin = |name: &str, out: usize| Linear::load(vb.pp(name), hid, out, false);
     let proj = Projections::Separate {
-        q: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad, vars)?,
-        k: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad, vars)?,
+        q: Linear::load_trainable(&vb, "q_proj", hid, kd, false, grad)?,
+        k: Linear::load_trainable(&vb, "k_proj", hid, kd, false, grad)?,
         v: lin("v_proj", vd)?,
         b: if gated || cfg.use_beta { Some(lin("b_proj", d.v_heads)?) } else { None },
         a: if gated { Some(lin("a_proj", d.v_heads)?) } else { None },
@@ -127,5 +120,5 @@ pub fn delta_net_stack(vb: VarBuilder<'static>, cfg: &FlaConfig, d: Dims, opts: 
         tie_word_embeddings: cfg.tie_word_embeddings,
     };
     let (cfg, grad) = (cfg.clone(), opts.grad);
-    fla_stack(vb, shape, opts, move |vb, i, vars| Ok(Sublayer::Linear(load(vb, &cfg, d, i, grad, vars)?)))
+    fla_stack(vb, shape, opts, move |vb, i| Ok(Sublayer::Linear(load(vb, &cfg, d, i, grad)?)))
 }

@@ -263,7 +263,7 @@ impl Family for GraniteHybridFamily {
             states_after_blocks: false,
         };
         let (ckpt, grad) = (ckpt.clone(), opts.grad);
-        let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
+        let build = move |l: VarBuilder, i: usize| {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
             let mixer = if c.mamba[i] {
                 Sublayer::Mamba2(Mamba2Mixer::load(
@@ -272,7 +272,6 @@ impl Family for GraniteHybridFamily {
                     i,
                     &|n| Ok(ckpt.info(n)?.shape.clone()),
                     grad,
-                    vars,
                 )?)
             } else {
                 Sublayer::Attention(Attention::load(l.pp("self_attn"), &c.attention)?)

@@ -224,13 +224,7 @@ impl KimiConfig {
 
 /// A Kimi Delta Attention layer under `vb` (`…self_attn`): the delta rule with a per-key-channel
 /// decay from a low-rank projection and a sigmoid low-rank output gate.
-fn kda(
-    vb: VarBuilder,
-    c: &KimiConfig,
-    layer: usize,
-    grad: bool,
-    vars: &mut Vec<(String, candle_core::Var)>,
-) -> Result<LinearAttention> {
+fn kda(vb: VarBuilder, c: &KimiConfig, layer: usize, grad: bool) -> Result<LinearAttention> {
     let d = c.kda_dims;
     let (hk, hv) = (d.heads * d.dk, d.v_heads * d.dv);
     let lin = |name: &str, i: usize, o: usize| Linear::load(vb.pp(name), i, o, false);
@@ -239,8 +233,8 @@ fn kda(
         dims: d,
         layer,
         proj: Projections::Separate {
-            q: Linear::load_trainable(&vb, "q_proj", d.hidden, hk, false, grad, vars)?,
-            k: Linear::load_trainable(&vb, "k_proj", d.hidden, hk, false, grad, vars)?,
+            q: Linear::load_trainable(&vb, "q_proj", d.hidden, hk, false, grad)?,
+            k: Linear::load_trainable(&vb, "k_proj", d.hidden, hk, false, grad)?,
             v: lin("v_proj", d.hidden, hv)?,
             b: Some(lin("b_proj", d.hidden, d.v_heads)?),
             a: None,
@@ -320,14 +314,11 @@ impl Family for KimiLinearFamily {
             states_after_blocks: false,
         };
         let grad = opts.grad;
-        let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
+        let build = move |l: VarBuilder, i: usize| {
             let norm = |name: &str| RmsNorm::load(l.pp(name), c.hidden, c.eps, NormWeight::Plain);
             let a = l.pp("self_attn");
-            let mixer = if c.kda[i] {
-                Sublayer::Linear(kda(a, &c, i, grad, vars)?)
-            } else {
-                Sublayer::Mla(Mla::load(a, c.mla)?)
-            };
+            let mixer =
+                if c.kda[i] { Sublayer::Linear(kda(a, &c, i, grad)?) } else { Sublayer::Mla(Mla::load(a, c.mla)?) };
             Ok(Layer {
                 steps: vec![
                     Step { norm: norm("input_layernorm")?, sublayer: mixer, scale: 1.0 },

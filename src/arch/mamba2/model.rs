@@ -9,7 +9,6 @@ use crate::layers::mamba2::Mamba2Mixer;
 use crate::layers::stack::{untied_head, Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::{Context, Result};
-use candle_core::Var;
 use candle_nn::VarBuilder;
 
 /// The stages of a Mamba-2 causal LM.
@@ -38,8 +37,8 @@ pub fn mamba2_stack(
         states_after_blocks: true,
     };
     let (ckpt, cfg, grad) = (ckpt.clone(), cfg.clone(), opts.grad);
-    let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, Var)>| -> Result<Layer> {
-        let mixer = Mamba2Mixer::load(l.pp("mixer"), &cfg.dims(), i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad, vars)?;
+    let build = move |l: VarBuilder, i: usize| -> Result<Layer> {
+        let mixer = Mamba2Mixer::load(l.pp("mixer"), &cfg.dims(), i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad)?;
         Ok(Layer {
             steps: vec![Step {
                 norm: RmsNorm::load(l.pp("norm"), cfg.hidden, cfg.eps, NormWeight::Plain)?,

@@ -85,17 +85,12 @@ impl Family for NemotronHFamily {
             states_after_blocks: false,
         };
         let (ckpt, grad) = (ckpt.clone(), opts.grad);
-        let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, candle_core::Var)>| {
+        let build = move |l: VarBuilder, i: usize| {
             let m = l.pp("mixer");
             let sublayer = match c.blocks[i] {
-                BlockKind::Mamba => Sublayer::Mamba2(Mamba2Mixer::load(
-                    m,
-                    &c.mamba,
-                    i,
-                    &|n| Ok(ckpt.info(n)?.shape.clone()),
-                    grad,
-                    vars,
-                )?),
+                BlockKind::Mamba => {
+                    Sublayer::Mamba2(Mamba2Mixer::load(m, &c.mamba, i, &|n| Ok(ckpt.info(n)?.shape.clone()), grad)?)
+                }
                 BlockKind::Attention => Sublayer::Attention(Attention::load(m, &c.attention)?),
                 BlockKind::Mlp => Sublayer::Mlp(Mlp::relu2(m, c.hidden, c.mlp_intermediate, c.mlp_bias)?),
                 BlockKind::Moe => Sublayer::Moe(moe(&m, &c)?),

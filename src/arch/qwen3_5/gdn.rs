@@ -8,7 +8,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::derived::Derived;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{DType, Var};
+use candle_core::DType;
 use candle_nn::VarBuilder;
 
 /// Linear-attention sizes.
@@ -50,23 +50,16 @@ impl Dims {
 
 /// The Qwen3.5 / Qwen3-Next Gated DeltaNet layer under `vb` (`…linear_attn`) as the shared
 /// linear-attention mixer; `fused` is Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` layout.
-pub fn load(
-    vb: VarBuilder,
-    c: &TextConfig,
-    fused: bool,
-    layer: usize,
-    grad: bool,
-    vars: &mut Vec<(String, Var)>,
-) -> Result<LinearAttention> {
+pub fn load(vb: VarBuilder, c: &TextConfig, fused: bool, layer: usize, grad: bool) -> Result<LinearAttention> {
     let d = Dims::new(c);
     let proj = if fused {
         Projections::QwenFused {
-            qkvz: Linear::load_trainable(&vb, "in_proj_qkvz", d.hidden, d.hk * d.fused_block(), false, grad, vars)?,
+            qkvz: Linear::load_trainable(&vb, "in_proj_qkvz", d.hidden, d.hk * d.fused_block(), false, grad)?,
             ba: Linear::load(vb.pp("in_proj_ba"), d.hidden, 2 * d.hv, false)?,
         }
     } else {
         Projections::QwenSplit {
-            qkv: Linear::load_trainable(&vb, "in_proj_qkv", d.hidden, d.conv_dim(), false, grad, vars)?,
+            qkv: Linear::load_trainable(&vb, "in_proj_qkv", d.hidden, d.conv_dim(), false, grad)?,
             z: Linear::load(vb.pp("in_proj_z"), d.hidden, d.hv * d.dv, false)?,
             b: Linear::load(vb.pp("in_proj_b"), d.hidden, d.hv, false)?,
             a: Linear::load(vb.pp("in_proj_a"), d.hidden, d.hv, false)?,

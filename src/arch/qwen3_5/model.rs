@@ -10,7 +10,7 @@ use crate::layers::mlp::{Mlp, SwiGlu};
 use crate::layers::stack::{Stack, StackSpec};
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{DType, Var};
+use candle_core::DType;
 use candle_nn::VarBuilder;
 
 /// The stages of a Qwen3.5 (text or multimodal checkpoint) or Qwen3-Next causal LM.
@@ -44,10 +44,10 @@ pub fn qwen3_5_stack(
         states_after_blocks: false,
     };
     let (c, grad) = (c.clone(), opts.grad);
-    let build = move |l: VarBuilder, i: usize, vars: &mut Vec<(String, Var)>| -> Result<Layer> {
+    let build = move |l: VarBuilder, i: usize| -> Result<Layer> {
         let (hid, eps) = (c.hidden_size, c.rms_norm_eps);
         let mixer = if c.is_linear(i) {
-            Sublayer::Linear(super::gdn::load(l.pp("linear_attn"), &c, variant.fused(), i, grad, vars)?)
+            Sublayer::Linear(super::gdn::load(l.pp("linear_attn"), &c, variant.fused(), i, grad)?)
         } else {
             Sublayer::Attention(Attention::load(l.pp("self_attn"), &c.attention_spec(variant.inv_freq_dtype(stored)))?)
         };

@@ -33,10 +33,10 @@ pub fn sse_stack(
         tie_word_embeddings: cfg.tie_word_embeddings,
     };
     let grad = opts.grad;
-    Ok(fla_stack(vb, shape, opts, move |vb, i, vars| {
+    Ok(fla_stack(vb, shape, opts, move |vb, i| {
         Ok(match attn.as_ref().filter(|a| a.layers.contains(&i)) {
             Some(a) => Sublayer::Attention(Attention::load(vb, &a.spec(d.hidden, cfg.norm_eps))?),
-            None => Sublayer::Sse(Box::new(SseMixer::load(vb, d, i, grad, vars)?), imp),
+            None => Sublayer::Sse(Box::new(SseMixer::load(vb, d, i, grad)?), imp),
         })
     }))
 }
