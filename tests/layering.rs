@@ -342,3 +342,41 @@ fn imports_are_read_from_code_only() {
     let found: Vec<String> = imports(&code, "crate").into_iter().collect();
     assert_eq!(found, ["arch", "model", "ops"]);
 }
+
+/// The files of `src/ops/` and the ones each imports (`super::x`, `crate::ops::x`): the kernels
+/// and the forms that call them, which must not import each other in a circle either.
+fn ops_graph() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let dir = src().join("ops");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    let stem = |f: &Path| f.file_stem().unwrap().to_string_lossy().to_string();
+    let names: BTreeSet<String> = files.iter().map(|f| stem(f)).filter(|n| n != "mod").collect();
+    let mut graph: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for file in &files {
+        let me = stem(file);
+        if me == "mod" {
+            continue;
+        }
+        let code = code_only(&std::fs::read_to_string(file).unwrap());
+        let entry = graph.entry(me.clone()).or_default();
+        for target in imports(&code, "super").into_iter().chain(imports(&code, "crate::ops")) {
+            if target != me && names.contains(&target) {
+                entry.entry(target).or_default().insert(format!("src/ops/{me}.rs"));
+            }
+        }
+    }
+    graph
+}
+
+#[test]
+fn ops_files_import_each_other_without_a_circle() {
+    let graph = ops_graph();
+    assert!(graph.len() > 10 && graph["chunked"].contains_key("chunk_walk"), "ops graph: {graph:?}");
+    let within = |m: &str| -> Vec<String> { graph.get(m).map_or_else(Vec::new, |t| t.keys().cloned().collect()) };
+    let mut done = BTreeSet::new();
+    for start in graph.keys() {
+        let mut path = vec![start.clone()];
+        let circle = find_circle(&within, &mut path, &mut done);
+        assert!(circle.is_none(), "circle among src/ops files: {}", circle.unwrap().join(" -> "));
+    }
+}

@@ -16,26 +16,9 @@
 //! the terms summed over columns (dKc, dKend, da) come back per tile and are added here.
 
 use super::cpu_f32;
+pub(crate) use super::launch::{WalkDims, MAX_DK, TILE};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
-
-/// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
-pub(crate) const TILE: usize = 32;
-/// The widest key the GPU kernels take: a block holds its tile of the state and of G in shared
-/// memory.
-pub(crate) const MAX_DK: usize = 256;
-
-/// Sizes of one walk: N chunks of C steps for BH heads.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct WalkDims {
-    pub n: usize,
-    pub bh: usize,
-    pub c: usize,
-    pub dk: usize,
-    pub dv: usize,
-    /// Whether a Kc term is subtracted (the delta rule); the plain rule has none.
-    pub delta: bool,
-}
 
 impl WalkDims {
     /// Width of the packed keys: Kc | Kend for the delta rule, Kend alone for the plain one.

@@ -20,7 +20,7 @@
 //!   O = Q̂ S₀ + (Q̂ K̃ᵀ ∘ causal) U,   S_C = diag(e^{Γ_C}) S₀ + (K ∘ e^{Γ_C − Γ})ᵀ U
 //! in float64 over short chunks, so that e^−Γ stays finite.
 
-use super::delta_rule::{Recurrence, Rule};
+use super::recurrence::{Recurrence, Rule};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Chunk length used for long sequences (fla's default for the delta rule).

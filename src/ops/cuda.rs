@@ -4,6 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
+use super::launch::{QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -280,7 +281,7 @@ fn from<T: CudaDType>(s: &CudaStorage, offset: usize) -> Result<CudaView<'_, T>>
 /// the shifted history the last of them unless it goes `in_place` over the history.
 pub fn decode_step(
     a: &StepArgs,
-    d: &super::decode::StepDims,
+    d: &StepDims,
     flags: i32,
     beta_scale: f32,
     eps: f32,
@@ -461,14 +462,9 @@ pub fn col_sumsq(
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// `qkv_prep` in kernels.cu: the float32 q | k | v of [`super::prep::QkvPrep`] from the conv
+/// `qkv_prep` in kernels.cu: the float32 q | k | v of [`QkvPrep`] from the conv
 /// output x (`rows` rows of stride xs from `offset`).
-pub fn qkv_prep(
-    x: &CudaStorage,
-    (offset, xs): (usize, usize),
-    rows: usize,
-    p: &super::prep::QkvPrep,
-) -> Result<CudaStorage> {
+pub fn qkv_prep(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &QkvPrep) -> Result<CudaStorage> {
     let dev = x.device().clone();
     let warps = rows * p.heads;
     let cfg = LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -546,7 +542,7 @@ pub fn unit_lower_inverse(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, S
 }
 
 /// The launch grid of the chunk walk: column tiles x heads, 256 threads.
-fn walk_config(d: &super::chunk_walk::WalkDims, smem: usize) -> LaunchConfig {
+fn walk_config(d: &WalkDims, smem: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (d.gpu_tiles() as u32, d.bh as u32, 1),
         block_dim: (256, 1, 1),
@@ -557,8 +553,8 @@ fn walk_config(d: &super::chunk_walk::WalkDims, smem: usize) -> LaunchConfig {
 type Input<'a> = (&'a CudaStorage, &'a Layout);
 
 /// `chunk_walk_fwd_f32`: U then every chunk-start state, flat (see `ops::chunk_walk`).
-pub fn chunk_walk(d: &super::chunk_walk::WalkDims, w: Input, kk: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
-    if d.dk > super::chunk_walk::MAX_DK || d.c > 64 {
+pub fn chunk_walk(d: &WalkDims, w: Input, kk: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
+    if d.dk > MAX_DK || d.c > 64 {
         candle_core::bail!("chunk walk: key width {} or chunk {} above the kernels' 256 and 64", d.dk, d.c);
     }
     let dev = w.0.device().clone();
@@ -570,7 +566,7 @@ pub fn chunk_walk(d: &super::chunk_walk::WalkDims, w: Input, kk: Input, extra: I
     let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's packed keys.
-    let smem = ((d.dk + d.c) * (super::chunk_walk::TILE + 1) + d.c * d.kk_width()) * 4;
+    let smem = ((d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_fwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
@@ -587,13 +583,7 @@ pub fn chunk_walk(d: &super::chunk_walk::WalkDims, w: Input, kk: Input, extra: I
 }
 
 /// `chunk_walk_bwd_f32`: dW, the per-tile dKK and da, then ds0, flat (see `ops::chunk_walk`).
-pub fn chunk_walk_back(
-    d: &super::chunk_walk::WalkDims,
-    grad: Input,
-    kk: Input,
-    extra: Input,
-    res: Input,
-) -> Result<(CudaStorage, Shape)> {
+pub fn chunk_walk_back(d: &WalkDims, grad: Input, kk: Input, extra: Input, res: Input) -> Result<(CudaStorage, Shape)> {
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk walk backward")?;
     let (kk, extra, res) =
@@ -610,7 +600,7 @@ pub fn chunk_walk_back(
     let (dw, dkk, da, ds0) =
         (out.slice(..lw), out.slice(lw..lw + lk), out.slice(lw + lk..lw + lk + la), out.slice(lw + lk + la..));
     // G's and the state's column tiles, U's and dU's, and one chunk's packed keys.
-    let smem = (2 * (d.dk + d.c) * (super::chunk_walk::TILE + 1) + d.c * d.kk_width()) * 4;
+    let smem = (2 * (d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_bwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);

@@ -4,20 +4,9 @@
 //! recurrence's float32 output. The CPU halves define what the CUDA kernels compute and are
 //! tested against the separate ops the prefill path takes.
 
+pub use super::launch::StepDims;
 use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
-
-/// Sizes of one step: `b` sequences, `heads` key heads of width `dk`, `v_heads` value heads of
-/// width `dv`, a short conv of `kernel` taps.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepDims {
-    pub b: usize,
-    pub heads: usize,
-    pub v_heads: usize,
-    pub dk: usize,
-    pub dv: usize,
-    pub kernel: usize,
-}
 
 impl StepDims {
     /// Channels of the conv: [q | k | v].

@@ -14,6 +14,7 @@
 
 use super::chunked::Form;
 use super::cpu_f32;
+pub use super::recurrence::{Recurrence, Rule};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -21,15 +22,6 @@ const CHUNK: usize = 64;
 
 /// Widest key dimension the fused CUDA kernel takes (`recurrence` in kernels.cu).
 const MAX_FUSED_DK: usize = 1024;
-
-/// Which update rule the recurrence uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rule {
-    /// u = β (v − Sᵀk): DeltaNet, Gated DeltaNet.
-    Delta,
-    /// u = β v: linear attention / SSM (Mamba-2).
-    Plain,
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Dims {
@@ -518,27 +510,6 @@ impl Kernel {
 
 thread_local! {
     static FORCED: std::cell::Cell<Option<Kernel>> = const { std::cell::Cell::new(None) };
-}
-
-/// Inputs of the recurrence, all with the value-head count H (repeat key heads first for GVA).
-pub struct Recurrence<'a> {
-    /// [B, T, H, dk]
-    pub q: &'a Tensor,
-    /// [B, T, H, dk]
-    pub k: &'a Tensor,
-    /// [B, T, H, dv]
-    pub v: &'a Tensor,
-    /// [B, T, H] write strength
-    pub beta: &'a Tensor,
-    /// [B, T, H] log decay; `None` means no decay
-    pub g: Option<&'a Tensor>,
-    /// [B, T, H, dk] per-key-channel log decay (GLA): row i of S is scaled by exp(gk[i]);
-    /// `None` means none
-    pub gk: Option<&'a Tensor>,
-    pub scale: f64,
-    pub rule: Rule,
-    /// State to continue from [B, H, dk, dv] (decoding); zeros when `None`.
-    pub initial: Option<&'a Tensor>,
 }
 
 impl Recurrence<'_> {

@@ -8,9 +8,11 @@ mod cuda;
 pub mod decode;
 pub mod delta_rule;
 pub mod derived;
+mod launch;
 pub mod mlp;
 pub mod norm;
 pub mod prep;
+mod recurrence;
 mod triangular;
 
 use candle_core::{Layout, Result, Tensor};

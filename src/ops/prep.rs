@@ -3,19 +3,9 @@
 //! candle ops take six passes over the same data (two copies out of the stacked output, two
 //! widenings, two norms) and a seventh for v.
 
+pub use super::launch::QkvPrep;
 use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
-
-/// Head counts and widths of [`QkvPrep`]'s input [.., 2·heads·dk + v_heads·dv] = [q | k | v].
-#[derive(Debug, Clone, Copy)]
-pub struct QkvPrep {
-    pub heads: usize,
-    pub v_heads: usize,
-    pub dk: usize,
-    pub dv: usize,
-    /// inside the square root: x / sqrt(Σx² + eps), as fla's `l2norm`
-    pub eps: f32,
-}
 
 impl QkvPrep {
     /// Floats written for `rows` rows: q and k [rows, Hv, dk], v [rows, Hv, dv].

@@ -1,0 +1,43 @@
+//! The sizes an op and its CUDA kernel agree on: each op's module computes with them, and
+//! `cuda.rs` launches its kernels from them, so neither imports the other.
+
+/// Sizes of one step: `b` sequences, `heads` key heads of width `dk`, `v_heads` value heads of
+/// width `dv`, a short conv of `kernel` taps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepDims {
+    pub b: usize,
+    pub heads: usize,
+    pub v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub kernel: usize,
+}
+
+/// Head counts and widths of [`QkvPrep`]'s input [.., 2·heads·dk + v_heads·dv] = [q | k | v].
+#[derive(Debug, Clone, Copy)]
+pub struct QkvPrep {
+    pub heads: usize,
+    pub v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// inside the square root: x / sqrt(Σx² + eps), as fla's `l2norm`
+    pub eps: f32,
+}
+
+/// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
+pub(crate) const TILE: usize = 32;
+/// The widest key the GPU kernels take: a block holds its tile of the state and of G in shared
+/// memory.
+pub(crate) const MAX_DK: usize = 256;
+
+/// Sizes of one walk: N chunks of C steps for BH heads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WalkDims {
+    pub n: usize,
+    pub bh: usize,
+    pub c: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// Whether a Kc term is subtracted (the delta rule); the plain rule has none.
+    pub delta: bool,
+}
