@@ -15,7 +15,7 @@ use super::sse::{Implementation, SseMixer};
 use crate::model::layered;
 use crate::model::{LayerCache, Observer};
 use crate::ops::norm::RmsNorm;
-use crate::profile::mark;
+use crate::profile::span;
 use anyhow::Result;
 use candle_core::{Tensor, Var};
 
@@ -90,7 +90,7 @@ impl Sublayer {
     fn label(&self) -> &'static str {
         match self {
             Sublayer::Mlp(_) | Sublayer::Moe(_) => "mlp",
-            _ => "mixer output",
+            _ => "mixer (rest)",
         }
     }
 }
@@ -115,18 +115,20 @@ impl layered::Block for Layer {
         // The last step's output, added into the residual by the next step's norm.
         let mut pending: Option<Tensor> = None;
         for s in &self.steps {
-            let x = match pending.take() {
-                Some(y) => {
-                    let (sum, x) = s.norm.add_forward(&h, &y)?;
-                    h = sum;
-                    x
+            let x = {
+                let _s = span("norm", dev);
+                match pending.take() {
+                    Some(y) => {
+                        let (sum, x) = s.norm.add_forward(&h, &y)?;
+                        h = sum;
+                        x
+                    }
+                    None => s.norm.forward(&h)?,
                 }
-                None => s.norm.forward(&h)?,
             };
-            mark("norm", dev);
+            let _s = span(s.sublayer.label(), dev);
             let y = s.sublayer.forward(&x, obs, cache.as_deref_mut())?;
             pending = Some(if s.scale != 1.0 { (y * s.scale)? } else { y });
-            mark(s.sublayer.label(), dev);
         }
         if let Some(y) = pending {
             h = (h + y)?;

@@ -167,6 +167,7 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let _s = crate::profile::span("projections", x.device());
         let y = self.base.forward(x)?;
         let Some(ad) = &self.adapter else { return Ok(y) };
         // (x·Aᵀ)·Bᵀ over the rows of x, in float32: r-wide, never the [out, in] product.
@@ -307,7 +308,9 @@ mod tests {
             let (start, len) = (seed as usize % out, 1 + (seed as usize / 7) % out);
             let len = len.min(out - start);
             let rows = lin.rows(start, len).unwrap().forward(&x).unwrap();
-            prop_assert_eq!(bits(&rows), bits(&full.narrow(last, start, len).unwrap()));
+            // Within rounding: the matmul of a narrower weight may block its sums differently.
+            let d = max_diff(&rows, &full.narrow(last, start, len).unwrap());
+            prop_assert!(d <= 1e-5, "rows {start}..+{len}: {d}");
             // Columns: the products over complementary column ranges sum to the full product.
             let split = seed as usize % (inp + 1);
             let nobias = Linear::new(lin.weight().clone(), None);
@@ -318,10 +321,11 @@ mod tests {
                     prop_assert!(part.bias().is_none());
                     sum = (sum + part.forward(&x.narrow(last, s, l).unwrap()).unwrap()).unwrap();
                     let want = Linear::new(lin.weight().narrow(1, s, l).unwrap().contiguous().unwrap(), None);
-                    prop_assert_eq!(
-                        bits(&part.forward(&x.narrow(last, s, l).unwrap()).unwrap()),
-                        bits(&want.forward(&x.narrow(last, s, l).unwrap()).unwrap())
+                    let d = max_diff(
+                        &part.forward(&x.narrow(last, s, l).unwrap()).unwrap(),
+                        &want.forward(&x.narrow(last, s, l).unwrap()).unwrap(),
                     );
+                    prop_assert!(d <= 1e-5, "cols {s}..+{l}: {d}");
                 }
             }
             let d = max_diff(&sum, &nobias.forward(&x).unwrap());

@@ -13,7 +13,6 @@ use crate::ops::derived::Derived;
 use crate::ops::norm::{l2_norm, RmsNorm};
 use crate::ops::prep::QkvPrep;
 use crate::ops::{repeat_heads, softplus};
-use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
 
@@ -221,9 +220,7 @@ impl LinearAttention {
             _ => (None, None),
         };
         let dev = x.device();
-        mark("observer", dev);
         let p = self.proj.project(x, d)?;
-        mark("qkv projections", dev);
         let (mixed, conv_state) = match &self.conv {
             Some(c) => {
                 let (y, st) = c.forward_silu_cached(&p.qkv, prev_conv.as_ref())?;
@@ -231,7 +228,6 @@ impl LinearAttention {
             }
             None => (candle_nn::ops::silu(&p.qkv)?, None),
         };
-        mark("short conv + silu", dev);
         let kd = d.heads * d.dk;
         // Off the CPU and without a gradient, one kernel makes the recurrence's float32 inputs;
         // the observer's bf16 copies of q and k are made only for an observer that looks.
@@ -240,7 +236,6 @@ impl LinearAttention {
         if !(fused && obs.passive()) {
             obs.qk(self.layer, &head(0, d.heads, d.dk)?, &head(kd, d.heads, d.dk)?)?;
         }
-        mark("observer", dev);
         // Gates, β and the L2 norms in float32, as the upstream kernels compute them: bf16 gates
         // compound over the sequence.
         let f32 = DType::F32;
@@ -268,7 +263,6 @@ impl LinearAttention {
             let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, L2_EPS)?, d.r())?;
             (q, k, head(2 * kd, d.v_heads, d.dv)?)
         };
-        mark("gates + l2 norms", dev);
         let rec = Recurrence {
             q: &q,
             k: &k,
@@ -281,7 +275,6 @@ impl LinearAttention {
             initial: prev_state.as_ref(),
         };
         let o = crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
-        mark("recurrence", dev);
         let out_fused = {
             let (weight, _) = self.norm.applied()?;
             let z = p.z.iter().filter(|_| matches!(self.gate, OutputGate::Silu));

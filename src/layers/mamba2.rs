@@ -12,7 +12,6 @@ use crate::ops::conv::ShortConv;
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
 use crate::ops::{repeat_heads, softplus};
-use crate::profile::mark;
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
@@ -217,20 +216,15 @@ impl Mamba2Mixer {
         let (i, gn, h, p) = (c.d_inner, c.groups * c.state, c.heads, c.head_dim);
         obs.qk_input(self.layer, x)?;
         // in_proj rows: [z | x | B | C | dt]
-        let dev = x.device();
-        mark("observer", dev);
         let proj = self.project(x)?;
-        mark("qkv projections", dev);
         let z = proj.narrow(2, 0, i)?;
         let (xbc, conv_state) = self.conv.forward_silu_cached(&proj.narrow(2, i, c.conv_dim())?, prev_conv.as_ref())?;
-        mark("short conv + silu", dev);
         let dt = proj.narrow(2, i + c.conv_dim(), h)?;
         let xs = xbc.narrow(2, 0, i)?.reshape((b, t, h, p))?;
         // B and C are group-major: group g owns channels g·N .. g·N+N-1
         let bm = xbc.narrow(2, i, gn)?.reshape((b, t, c.groups, c.state))?;
         let cm = xbc.narrow(2, i + gn, gn)?.reshape((b, t, c.groups, c.state))?;
         obs.qk(self.layer, &cm, &bm)?;
-        mark("observer", dev);
         // Δt and the decay in float32, as the upstream kernels compute them.
         let mut dt = softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias.get()?)?)?;
         let (lo, hi) = c.dt_limit;
@@ -252,9 +246,7 @@ impl Mamba2Mixer {
             rule: Rule::Plain,
             initial: prev_state.as_ref(),
         };
-        mark("gates + l2 norms", dev);
         let o = crate::model::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))?;
-        mark("recurrence", dev);
         let y = (o + xs.broadcast_mul(&self.d_skip)?)?.reshape((b, t, i))?;
         let y = match &self.norm {
             Some(n) => n.forward(&y, &z)?,

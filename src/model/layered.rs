@@ -3,6 +3,7 @@
 //! run (`crate::stream`) loads one stage at a time through the same loaders, so both run the
 //! same code on the same weights.
 
+use super::observer::Timed;
 use super::{CausalLm, DecodeCache, LayerCache, Observer};
 use crate::ops::norm::RmsNorm;
 use crate::profile::mark;
@@ -49,11 +50,10 @@ fn head(
     obs: &mut dyn Observer,
     index: usize,
 ) -> Result<Tensor> {
+    let _s = crate::profile::span("head", h.device());
     let h = norm.forward(h)?;
     obs.hidden(index, &h)?;
-    let out = if obs.needs_logits() { candle_core::Module::forward(lm_head, &h)? } else { h };
-    crate::profile::mark("head", out.device());
-    Ok(out)
+    Ok(if obs.needs_logits() { candle_core::Module::forward(lm_head, &h)? } else { h })
 }
 
 /// A causal LM's stages, each loaded on demand from the weights it was opened on.
@@ -91,6 +91,7 @@ pub fn load_block(layers: &dyn Layers, i: usize) -> Result<Box<dyn Block>> {
 
 /// The embeddings of `ids`, reported to the observer as hidden state 0 where the family does.
 pub fn embed(layers: &dyn Layers, embed: &Embedding, ids: &Tensor, obs: &mut dyn Observer) -> Result<Tensor> {
+    let _s = crate::profile::span("embed", ids.device());
     let mut h = embed.forward(ids)?;
     if layers.embed_scale() != 1.0 {
         h = (h * layers.embed_scale())?;
@@ -98,7 +99,6 @@ pub fn embed(layers: &dyn Layers, embed: &Embedding, ids: &Tensor, obs: &mut dyn
     if layers.reports_embeddings() {
         obs.hidden(0, &h)?;
     }
-    mark("embed", h.device());
     Ok(h)
 }
 
@@ -111,10 +111,17 @@ pub fn run_block(
     obs: &mut dyn Observer,
     cache: Option<&mut LayerCache>,
 ) -> Result<Tensor> {
+    // Profiled, the observer's hooks time themselves.
+    let mut timed;
+    let obs: &mut dyn Observer = if crate::profile::enabled() {
+        timed = Timed(obs);
+        &mut timed
+    } else {
+        obs
+    };
     let h = blk.forward(h, obs, cache).with_context(|| format!("layer {i}"))?;
     if let Some(index) = layers.hidden_after(i) {
         obs.hidden(index, &h)?;
-        mark("observer", h.device());
     }
     Ok(h)
 }

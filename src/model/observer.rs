@@ -72,3 +72,53 @@ impl Observer for NoObserver {
         true
     }
 }
+
+/// An observer whose hooks time themselves as the stage "observer" (see `crate::profile`):
+/// what the model core wraps around the caller's observer when profiling is on. Every method
+/// of [`Observer`] is passed on, the defaulted ones included.
+pub struct Timed<'a>(pub &'a mut dyn Observer);
+
+impl Observer for Timed<'_> {
+    fn passive(&self) -> bool {
+        self.0.passive()
+    }
+    fn wants_state(&self) -> bool {
+        self.0.wants_state()
+    }
+    fn needs_logits(&self) -> bool {
+        self.0.needs_logits()
+    }
+    fn sequences(&mut self, first: usize, n: usize) -> Result<()> {
+        self.0.sequences(first, n)
+    }
+    fn hidden(&mut self, index: usize, h: &Tensor) -> Result<()> {
+        let _s = crate::profile::span("observer", h.device());
+        self.0.hidden(index, h)
+    }
+    fn qk_input(&mut self, layer: usize, x: &Tensor) -> Result<()> {
+        let _s = crate::profile::span("observer", x.device());
+        self.0.qk_input(layer, x)
+    }
+    fn qk(&mut self, layer: usize, q: &Tensor, k: &Tensor) -> Result<()> {
+        let _s = crate::profile::span("observer", q.device());
+        self.0.qk(layer, q, k)
+    }
+    fn state(&mut self, layer: usize, s: &Tensor) -> Result<()> {
+        let _s = crate::profile::span("observer", s.device());
+        self.0.state(layer, s)
+    }
+    fn routing(&mut self, layer: usize, selected: &Tensor) -> Result<()> {
+        let _s = crate::profile::span("observer", selected.device());
+        self.0.routing(layer, selected)
+    }
+    fn partition_keys(
+        &mut self,
+        layer: usize,
+        keys: [&Tensor; 2],
+        log_decays: [&Tensor; 2],
+        selected: &Tensor,
+    ) -> Result<()> {
+        let _s = crate::profile::span("observer", selected.device());
+        self.0.partition_keys(layer, keys, log_decays, selected)
+    }
+}

@@ -14,6 +14,7 @@ pub fn run_recurrence(
     mut cache: Option<&mut LayerCache>,
     conv: Option<Tensor>,
 ) -> Result<Tensor> {
+    let _s = crate::profile::span("recurrence", rec.q.device());
     if !obs.wants_state() && cache.is_none() {
         return rec.forward().map_err(Into::into);
     }

@@ -64,6 +64,7 @@ impl ShortConv {
     /// SiLU(conv(x)) continuing from `prev` like [`Self::forward_cached`]. On a GPU, when no
     /// gradient flows through it, this is one fused kernel instead of 2K + 2 candle ops.
     pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let _s = crate::profile::span("short conv", x.device());
         let (weight, bias) = self.parts()?;
         let tensors = [Some(x), Some(&weight), bias.as_ref(), prev].into_iter().flatten();
         if !super::fusable(&tensors.collect::<Vec<_>>()) {
@@ -90,6 +91,7 @@ impl ShortConv {
     /// Forward continuing from `prev`, the last K-1 inputs [B, K-1, C] of earlier calls (zeros
     /// when `None`); returns the output and the new last K-1 inputs, for step-by-step decoding.
     pub fn forward_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        let _s = crate::profile::span("short conv", x.device());
         let (weight, bias) = self.parts()?;
         let (_, t, _) = x.dims3()?;
         let k = weight.dim(1)?;
