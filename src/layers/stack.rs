@@ -38,7 +38,7 @@ pub fn untied_head(has_tensor: impl Fn(&str) -> bool, tied: bool) -> Option<Stri
     (!tied && has_tensor("lm_head.weight")).then(|| "lm_head.weight".into())
 }
 
-/// Builds layer `i` under its prefix, registering gradient variables.
+/// Builds layer `i` under its prefix (trained tensors as variables, for `Block::params`).
 pub type LayerLoader = dyn Fn(VarBuilder, usize) -> Result<Layer> + Send + Sync;
 
 pub struct Stack {
