@@ -27,8 +27,8 @@ pub struct StackShape {
     pub tie_word_embeddings: bool,
 }
 
-/// The stages of an fla causal LM; `mixer(vb, i, vars)` builds layer `i`'s token mixer from its
-/// `attn` prefix and registers any gradient variables in `vars`.
+/// The stages of an fla causal LM; `mixer(vb, i)` builds layer `i`'s token mixer from its
+/// `attn` prefix.
 pub fn fla_stack(
     vb: VarBuilder<'static>,
     s: StackShape,
