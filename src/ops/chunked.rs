@@ -50,8 +50,8 @@ pub enum Form {
     /// Candle ops only: the loop over chunks in matmuls, the solve in float64 products. The
     /// reference, and the path on devices without statecut's kernels.
     Composed,
-    /// The walk as one op with its own backward ([`super::chunk_walk`]) and the solve by forward
-    /// substitution in float32 ([`super::triangular`]); the rest stays in batched candle ops.
+    /// The intra-chunk solve ([`super::chunk_intra`]) and the walk ([`super::chunk_walk`]) as
+    /// ops with their own backward, in float32; the rest stays in batched candle ops.
     Kernels,
 }
 
@@ -95,22 +95,24 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     mark("chunked: decays");
 
     let k_t = k.t()?.contiguous()?; // [N,BH,dk,C]
-    let v_beta = v.broadcast_mul(&beta.unsqueeze(3)?)?;
-    // (W, Kc): U = W − Kc S₀ for every chunk.
+                                    // (W, Kc): U = W − Kc S₀ for every chunk.
     let (w, kc) = match rec.rule {
-        Rule::Plain => (v_beta, None),
+        Rule::Plain => (v.broadcast_mul(&beta.unsqueeze(3)?)?, None),
+        Rule::Delta if form == Form::Kernels => {
+            let (w, kc) = super::chunk_intra::solve(&k, &v, &beta, decays.as_ref().map(|d| &d.gamma))?;
+            mark("chunked: W and Kc");
+            (w, Some(kc))
+        }
         Rule::Delta => {
+            let v_beta = v.broadcast_mul(&beta.unsqueeze(3)?)?;
             let k_beta = k.broadcast_mul(&beta.unsqueeze(3)?)?;
             let strict = mask(c, dev, |t, j| j < t, 1.0, 0.0)?;
             let a = weigh(k_beta.matmul(&k_t)?)?.broadcast_mul(&strict)?.neg()?;
             mark("chunked: A");
             // In float64: repeated squaring in float32 loses the un-gated DeltaNet's trained keys
             // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost. Forward
-            // substitution is accurate in float32.
-            let inv = match form {
-                Form::Composed => unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?,
-                Form::Kernels => super::triangular::unit_lower_inverse(&a)?,
-            };
+            // substitution (the kernel form) is accurate in float32.
+            let inv = unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?;
             mark("chunked: solve");
             (inv.matmul(&v_beta)?, Some(inv.matmul(&scaled(&k_beta, |d| &d.e_gamma)?)?))
         }
@@ -162,6 +164,8 @@ fn initial_state(rec: &Recurrence, dtype: DType) -> Result<Tensor> {
 
 /// The decay factors of one gated recurrence in chunks, from the in-chunk cumulative log decay γ.
 struct Decays {
+    /// γ [N,BH,C]
+    gamma: Tensor,
     /// D = exp(γ_t − γ_j) on and below the diagonal, 0 above [N,BH,C,C]
     decay: Tensor,
     /// e^γ [N,BH,C,1]
@@ -186,6 +190,7 @@ impl Decays {
             e_gamma: gamma.exp()?.unsqueeze(3)?,
             to_end: last.broadcast_sub(&gamma)?.exp()?.unsqueeze(3)?,
             last,
+            gamma,
         })
     }
 }
@@ -217,7 +222,7 @@ fn walked(
 }
 
 /// The inverse (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) in float64.
-fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
+pub(super) fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
     let a = a.to_dtype(DType::F64)?;
     let eye = Tensor::eye(c, DType::F64, a.device())?;
     let mut inv = a.broadcast_add(&eye)?;

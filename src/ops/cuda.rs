@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
+use super::launch::{IntraDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -511,36 +511,6 @@ fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
     Ok(())
 }
 
-/// `unit_lower_inverse_f32`: (I − A)⁻¹ of every float32 [C, C] matrix of a contiguous input.
-pub fn unit_lower_inverse(s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-    let dev = s.device().clone();
-    let c = l.dims().last().copied().unwrap_or(1);
-    if c > 64 {
-        candle_core::bail!("triangular inverse: chunks of {c} are above the kernel's 64");
-    }
-    let a = view::<f32>((s, l), "triangular inverse")?;
-    let m = l.shape().elem_count() / (c * c).max(1);
-    // About 64 threads per block whatever the chunk: several small matrices share one.
-    let per = (64 / c).max(1);
-    let smem = per * 2 * c * (c + 1) * 4;
-    let func = function(&dev, "unit_lower_inverse_f32")?;
-    shared_memory(&func, smem)?;
-    // SAFETY: the kernel writes every element of every matrix.
-    let out = unsafe { dev.alloc::<f32>(m * c * c)? };
-    let cfg = LaunchConfig {
-        grid_dim: (m.div_ceil(per) as u32, 1, 1),
-        block_dim: ((per * c) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    let (m, c, per) = (m as i64, c as i32, per as i32);
-    let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(&func);
-    builder.arg(&a).arg(&out).arg(&m).arg(&c).arg(&per);
-    // SAFETY: argument list matches `unit_lower_inverse_f32` in kernels.cu; out holds m C x C.
-    unsafe { builder.launch(cfg) }.w()?;
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), l.shape().clone()))
-}
-
 /// The launch grid of the chunk walk: column tiles x heads, 256 threads.
 fn walk_config(d: &WalkDims, smem: usize) -> LaunchConfig {
     LaunchConfig {
@@ -613,5 +583,72 @@ pub fn chunk_walk_back(d: &WalkDims, grad: Input, kk: Input, extra: Input, res: 
     // SAFETY: argument list matches `chunk_walk_bwd_f32` in kernels.cu; buffers sized above.
     unsafe { builder.launch(walk_config(d, smem)) }.w()?;
     let n = lw + lk + la + state;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}
+
+/// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
+/// four backward), one or two column tiles, and its per-token scalars (three, five).
+fn intra_smem(backward: bool) -> usize {
+    let (sq, tile) = (64 * 65, 64 * 33);
+    4 * if backward { 4 * sq + 2 * tile + 5 * 64 } else { 2 * sq + tile + 3 * 64 }
+}
+
+/// One block of 256 threads per chunk and head.
+fn intra_config(d: &IntraDims, backward: bool) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((d.n * d.bh) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: intra_smem(backward) as u32,
+    }
+}
+
+/// `chunk_intra_fwd_f32`: W then Kc, flat (see `ops::chunk_intra`).
+pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
+    if d.c > 64 {
+        candle_core::bail!("chunk solve: chunks of {} are above the kernel's 64", d.c);
+    }
+    let dev = k.0.device().clone();
+    let (k, v, scal) =
+        (view::<f32>(k, "chunk solve")?, view::<f32>(v, "chunk solve")?, view::<f32>(scal, "chunk solve")?);
+    let (lw, lk) = (d.n * d.bh * d.c * d.dv, d.n * d.bh * d.c * d.dk);
+    // SAFETY: the kernel writes every element of W and Kc.
+    let out = unsafe { dev.alloc::<f32>(lw + lk)? };
+    let (w, kc) = (out.slice(..lw), out.slice(lw..));
+    let func = function(&dev, "chunk_intra_fwd_f32")?;
+    shared_memory(&func, intra_smem(false))?;
+    let blocks = (d.n * d.bh) as i64;
+    let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&k).arg(&v).arg(&scal).arg(&w).arg(&kc).arg(&blocks);
+    for v in &ints {
+        builder.arg(v);
+    }
+    // SAFETY: argument list matches `chunk_intra_fwd_f32` in kernels.cu; buffers sized by IntraDims.
+    unsafe { builder.launch(intra_config(d, false)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(lw + lk)))
+}
+
+/// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat (see `ops::chunk_intra`).
+pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
+    let dev = grad.0.device().clone();
+    let grad = view::<f32>(grad, "chunk solve backward")?;
+    let (k, v, scal) =
+        (view::<f32>(k, "chunk solve")?, view::<f32>(v, "chunk solve")?, view::<f32>(scal, "chunk solve")?);
+    let n = d.n * d.bh * d.c * (d.dk + d.dv + 2);
+    // SAFETY: the kernel writes every element of dk, dv, dβ and dγ.
+    let out = unsafe { dev.alloc::<f32>(n)? };
+    let func = function(&dev, "chunk_intra_bwd_f32")?;
+    shared_memory(&func, intra_smem(true))?;
+    let blocks = (d.n * d.bh) as i64;
+    let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&k).arg(&v).arg(&scal).arg(&grad).arg(&out).arg(&blocks);
+    for v in &ints {
+        builder.arg(v);
+    }
+    // SAFETY: argument list matches `chunk_intra_bwd_f32` in kernels.cu; out sized above.
+    unsafe { builder.launch(intra_config(d, true)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }

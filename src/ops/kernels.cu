@@ -660,35 +660,6 @@ ADD_RMS(add_rms_f32, float)
 ADD_RMS(add_rms_bf16, __nv_bfloat16)
 ADD_RMS(add_rms_f16, __half)
 
-// (I − A)⁻¹ of strictly lower triangular float32 matrices A [m, c, c] (c ≤ 64; entries on and
-// above the diagonal are ignored), by forward substitution: column `col` of T solves
-// (I − A) x = e_col on its own, x_i = [i = col] + Σ_{col≤j<i} A_ij x_j, so one thread owns a
-// column and no thread waits for another. `per` matrices per block, c threads each; A and T in
-// shared memory (row stride c + 1: the threads of a warp read A_ij along a row and T_jc down
-// their columns without bank conflicts).
-extern "C" __global__ void unit_lower_inverse_f32(const float *a, float *out, long long m, int c, int per) {
-  extern __shared__ float lsm[];
-  const int p = c + 1;
-  const int local = threadIdx.x / c, col = threadIdx.x % c;
-  const long long first = (long long)blockIdx.x * per;
-  for (int e = threadIdx.x; e < per * c * c; e += blockDim.x) {
-    const int lm = e / (c * c), ij = e % (c * c);
-    const long long gm = first + lm;
-    lsm[lm * 2 * c * p + (ij / c) * p + ij % c] = gm < m ? a[gm * c * c + ij] : 0.0f;
-  }
-  __syncthreads();
-  const long long mat = first + local;
-  if (local >= per || mat >= m) return;
-  const float *A = lsm + local * 2 * c * p;
-  float *T = lsm + local * 2 * c * p + c * p;
-  for (int i = 0; i < c; ++i) {
-    float x = i == col ? 1.0f : 0.0f;
-    for (int j = col; j < i; ++j) x += A[i * p + j] * T[j * p + col];
-    T[i * p + col] = x;
-    out[(mat * c + i) * c + col] = x;
-  }
-}
-
 // The walk over chunks of the chunked delta rule (src/ops/chunk_walk.rs has the math and the CPU
 // half). Grid (column tiles of WALK_TV state columns, B·H); 256 threads = WALK_TV columns x
 // WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] and of the chunk's
@@ -830,4 +801,284 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   if (ok)
     for (int r = ty; r < dk; r += WALK_RG) ds0[((long long)h * dk + r) * dv + col] = G[r * P + tx];
+}
+
+// The intra-chunk solve of the chunked delta rule (src/ops/chunk_intra.rs has the math and the
+// CPU half). One block of 256 threads per chunk and head, chunks of c ≤ 64 tokens. The [c, c]
+// matrices (G = K Kᵀ, T = (I − A)⁻¹ and the backward's) live in shared memory with row stride
+// 65; the key and value columns pass through in tiles of INTRA_TW. For the [c, c] products a
+// thread owns a 4 x 4 block (16 x 16 blocks cover 64 x 64); for the [c, width] ones it owns a
+// column of the tile in every eighth row, so a warp shares one row (a broadcast read of T).
+#define INTRA_C 64
+#define INTRA_P (INTRA_C + 1)
+#define INTRA_TW 32
+#define INTRA_TP (INTRA_TW + 1)
+
+// tile[t][r] = src[t][col0 + r] · scale[t] (scale absent: 1), zero outside c rows and `width`.
+__device__ __forceinline__ void intra_stage(const float *src, int width, int col0, int c, const float *scale,
+                                            float *tile) {
+  for (int e = threadIdx.x; e < INTRA_C * INTRA_TW; e += blockDim.x) {
+    const int t = e / INTRA_TW, r = e % INTRA_TW;
+    float x = 0.0f;
+    if (t < c && col0 + r < width) x = src[(long long)t * width + col0 + r] * (scale ? scale[t] : 1.0f);
+    tile[t * INTRA_TP + r] = x;
+  }
+}
+
+// acc[q][s] += Σ_r a[4 bi + q][r] b[4 bj + s][r] over one staged tile pair.
+__device__ __forceinline__ void intra_pairs(const float *a, const float *b, int bi, int bj, float acc[4][4]) {
+#pragma unroll 4
+  for (int r = 0; r < INTRA_TW; ++r) {
+    float x[4], y[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      x[q] = a[(4 * bi + q) * INTRA_TP + r];
+      y[q] = b[(4 * bj + q) * INTRA_TP + r];
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) acc[q][s] += x[q] * y[s];
+  }
+}
+
+// G = K Kᵀ (every entry of the thread's 4 x 4 block; only j < t is read), staging K in `tile`.
+__device__ void intra_gram(const float *k, int c, int dk, float *tile, float *G) {
+  const int bi = threadIdx.x / 16, bj = threadIdx.x % 16;
+  float acc[4][4] = {};
+  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
+    intra_stage(k, dk, col0, c, nullptr, tile);
+    __syncthreads();
+    if (bj <= bi) intra_pairs(tile, tile, bi, bj, acc);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) G[(4 * bi + q) * INTRA_P + 4 * bj + s] = acc[q][s];
+}
+
+// T = (I − A)⁻¹ by forward substitution, one thread per column (as `unit_lower_inverse`): column
+// `col` solves x_i = [i = col] + Σ_{col≤j<i} A_ij x_j on its own.
+__device__ void intra_invert(const float *A, int c, float *T) {
+  const int col = threadIdx.x;
+  if (col < INTRA_C)
+    for (int i = 0; i < INTRA_C; ++i) {
+      float x = i == col ? 1.0f : 0.0f;
+      if (i < c && col < c)
+        for (int j = col; j < i; ++j) x += A[i * INTRA_P + j] * T[j * INTRA_P + col];
+      T[i * INTRA_P + col] = x;
+    }
+}
+
+// A_tj = −β_t e^{γ_t − γ_j} G_tj below the diagonal, 0 elsewhere.
+__device__ __forceinline__ float intra_a(const float *G, const float *bet, const float *gam, int t, int j) {
+  return j < t ? -bet[t] * __expf(gam[t] - gam[j]) * G[t * INTRA_P + j] : 0.0f;
+}
+
+// out = T · diag(scale) src over every column, tile by tile.
+__device__ void intra_apply(const float *T, const float *src, int width, int c, const float *scale, float *tile,
+                            float *out) {
+  const int cc = threadIdx.x % 32, row0 = threadIdx.x / 32;
+  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
+    intra_stage(src, width, col0, c, scale, tile);
+    __syncthreads();
+    for (int t = row0; t < c; t += 8) {
+      float acc = 0.0f;
+      for (int j = 0; j <= t; ++j) acc += T[t * INTRA_P + j] * tile[j * INTRA_TP + cc];
+      if (col0 + cc < width) out[(long long)t * width + col0 + cc] = acc;
+    }
+    __syncthreads();
+  }
+}
+
+// scal = [β (blocks x c) | γ (blocks x c)]; W [blocks, c, dv] and Kc [blocks, c, dk] out.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_intra_fwd_f32(const float *k, const float *v, const float *scal, float *w_out, float *kc_out,
+                        long long blocks, int c, int dk, int dv) {
+  extern __shared__ float ism[];
+  float *G = ism, *T = G + INTRA_C * INTRA_P, *tile = T + INTRA_C * INTRA_P;
+  float *bet = tile + INTRA_C * INTRA_TP, *gam = bet + INTRA_C, *ys = gam + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
+  for (int i = threadIdx.x; i < INTRA_C; i += blockDim.x) {
+    bet[i] = i < c ? scal[blk * c + i] : 0.0f;
+    gam[i] = i < c ? scal[(blocks + blk) * c + i] : 0.0f;
+    ys[i] = bet[i] * __expf(gam[i]);
+  }
+  intra_gram(kb, c, dk, tile, G);
+  __syncthreads();
+  // A over G in place: each entry is read and written by one thread.
+  for (int e = threadIdx.x; e < INTRA_C * INTRA_C; e += blockDim.x) {
+    const int t = e / INTRA_C, j = e % INTRA_C;
+    G[t * INTRA_P + j] = t < c ? intra_a(G, bet, gam, t, j) : 0.0f;
+  }
+  __syncthreads();
+  intra_invert(G, c, T);
+  __syncthreads();
+  intra_apply(T, vb, dv, c, bet, tile, w_out + blk * c * dv);
+  intra_apply(T, kb, dk, c, ys, tile, kc_out + blk * c * dk);
+}
+
+__device__ __forceinline__ float intra_warp_sum(float x) {
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The backward, recomputing G and T: out = [dk (blocks x c x dk) | dv | dβ | dγ].
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_intra_bwd_f32(const float *k, const float *v, const float *scal, const float *grad, float *out,
+                        long long blocks, int c, int dk, int dv) {
+  extern __shared__ float ism[];
+  const int SQ = INTRA_C * INTRA_P, TL = INTRA_C * INTRA_TP;
+  float *G = ism, *T = G + SQ, *D = T + SQ, *M = D + SQ, *ta = M + SQ, *tb = ta + TL;
+  float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
+  const float *gw = grad + blk * c * dv, *gkc = grad + blocks * c * dv + blk * c * dk;
+  float *dk_out = out + blk * c * dk, *dv_out = out + blocks * c * dk + blk * c * dv;
+  float *db_out = out + blocks * c * (dk + dv) + blk * c, *dg_out = db_out + blocks * c;
+  const int tid = threadIdx.x, bi = tid / 16, bj = tid % 16, cc = tid % 32, row0 = tid / 32;
+  for (int i = tid; i < INTRA_C; i += blockDim.x) {
+    bet[i] = i < c ? scal[blk * c + i] : 0.0f;
+    gam[i] = i < c ? scal[(blocks + blk) * c + i] : 0.0f;
+    ys[i] = bet[i] * __expf(gam[i]);
+    dbet[i] = 0.0f;
+    dgam[i] = 0.0f;
+  }
+  intra_gram(kb, c, dk, ta, G);
+  __syncthreads();
+  for (int e = tid; e < INTRA_C * INTRA_C; e += blockDim.x) {
+    const int t = e / INTRA_C, j = e % INTRA_C;
+    M[t * INTRA_P + j] = t < c ? intra_a(G, bet, gam, t, j) : 0.0f;
+  }
+  __syncthreads();
+  intra_invert(M, c, T);
+  __syncthreads();
+
+  // dT = dW (βV)ᵀ + dKc (β e^γ K)ᵀ, with dX = Tᵀ dW (→ dV, and v·dX into dβ) on the way.
+  float ax[4][4] = {}, ay[4][4] = {};
+  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+    intra_stage(gw, dv, col0, c, nullptr, ta);
+    intra_stage(vb, dv, col0, c, nullptr, tb);
+    __syncthreads();
+    if (bj <= bi) intra_pairs(ta, tb, bi, bj, ax);
+    for (int j = row0; j < c; j += 8) {
+      float dx = 0.0f;
+      for (int t = j; t < c; ++t) dx += T[t * INTRA_P + j] * ta[t * INTRA_TP + cc];
+      if (col0 + cc < dv) dv_out[(long long)j * dv + col0 + cc] = bet[j] * dx;
+      const float s = intra_warp_sum(dx * tb[j * INTRA_TP + cc]);
+      if (cc == 0) dbet[j] += s;
+    }
+    __syncthreads();
+  }
+  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
+    intra_stage(gkc, dk, col0, c, nullptr, ta);
+    intra_stage(kb, dk, col0, c, nullptr, tb);
+    __syncthreads();
+    if (bj <= bi) intra_pairs(ta, tb, bi, bj, ay);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int t = 4 * bi + q, j = 4 * bj + s;
+      D[t * INTRA_P + j] = j < t && t < c ? bet[j] * ax[q][s] + ys[j] * ay[q][s] : 0.0f;
+    }
+  __syncthreads();
+
+  // M = Tᵀ dT, then dA = M Tᵀ over dT.
+  {
+    float m[4][4] = {};
+    for (int a = 0; a < c; ++a) {
+      float x[4], y[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        x[q] = T[a * INTRA_P + 4 * bi + q];
+        y[q] = D[a * INTRA_P + 4 * bj + q];
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) m[q][s] += x[q] * y[s];
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) M[(4 * bi + q) * INTRA_P + 4 * bj + s] = m[q][s];
+  }
+  __syncthreads();
+  {
+    float m[4][4] = {};
+    for (int b = 0; b < c; ++b) {
+      float x[4], y[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        x[q] = M[(4 * bi + q) * INTRA_P + b];
+        y[q] = T[(4 * bj + q) * INTRA_P + b];
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) m[q][s] += x[q] * y[s];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) D[(4 * bi + q) * INTRA_P + 4 * bj + s] = m[q][s];
+  }
+  __syncthreads();
+
+  // Per entry below the diagonal: dG into M, P = dA · A over dA in D; row sums of P and the
+  // G term of dβ by the row's thread.
+  if (tid < c) {
+    const int t = tid;
+    float pb = 0.0f, pg = 0.0f;
+    for (int j = 0; j < INTRA_C; ++j) {
+      if (j < t) {
+        const float e = __expf(gam[t] - gam[j]), da = D[t * INTRA_P + j], g = G[t * INTRA_P + j];
+        const float p = da * (-bet[t] * e * g);
+        pb -= da * e * g;
+        pg += p;
+        M[t * INTRA_P + j] = -bet[t] * e * da;
+        D[t * INTRA_P + j] = p;
+      } else {
+        M[t * INTRA_P + j] = 0.0f;
+      }
+    }
+    dbet[t] += pb;
+    dgam[t] += pg;
+  }
+  __syncthreads();
+  if (tid < c) {
+    float s = 0.0f;
+    for (int r = tid + 1; r < c; ++r) s += D[r * INTRA_P + tid];
+    dgam[tid] -= s;
+  }
+  __syncthreads();
+
+  // dK = dG K + dGᵀ K + diag(β e^γ) Tᵀ dKc, with k·dY into dβ and dγ.
+  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
+    intra_stage(gkc, dk, col0, c, nullptr, ta);
+    intra_stage(kb, dk, col0, c, nullptr, tb);
+    __syncthreads();
+    for (int j = row0; j < c; j += 8) {
+      float dy = 0.0f, dgk = 0.0f;
+      for (int t = j; t < c; ++t) dy += T[t * INTRA_P + j] * ta[t * INTRA_TP + cc];
+      for (int s = 0; s < c; ++s) dgk += (M[j * INTRA_P + s] + M[s * INTRA_P + j]) * tb[s * INTRA_TP + cc];
+      if (col0 + cc < dk) dk_out[(long long)j * dk + col0 + cc] = ys[j] * dy + dgk;
+      const float s = intra_warp_sum(dy * tb[j * INTRA_TP + cc]);
+      if (cc == 0) {
+        dbet[j] += __expf(gam[j]) * s;
+        dgam[j] += ys[j] * s;
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < c; i += blockDim.x) {
+    db_out[i] = dbet[i];
+    dg_out[i] = dgam[i];
+  }
 }

@@ -41,3 +41,13 @@ pub(crate) struct WalkDims {
     /// Whether a Kc term is subtracted (the delta rule); the plain rule has none.
     pub delta: bool,
 }
+
+/// Sizes of one intra-chunk solve: N chunks of C tokens for BH heads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IntraDims {
+    pub n: usize,
+    pub bh: usize,
+    pub c: usize,
+    pub dk: usize,
+    pub dv: usize,
+}

@@ -1,5 +1,6 @@
 //! Math shared by every architecture adapter: written once, reused.
 
+mod chunk_intra;
 mod chunk_walk;
 pub mod chunked;
 pub mod conv;
@@ -13,7 +14,6 @@ pub mod mlp;
 pub mod norm;
 pub mod prep;
 mod recurrence;
-mod triangular;
 
 use candle_core::{Layout, Result, Tensor};
 
