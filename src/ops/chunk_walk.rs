@@ -73,15 +73,23 @@ pub(crate) fn walk(
     let (n, bh, c, dv) = w.dims4()?;
     let dk = kend.dim(3)?;
     let d = WalkDims { n, bh, c, dk, dv, delta: kc.is_some() };
+    let out = walk_flat(w, kc, kend, s0, a)?;
+    let u = out.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
+    let states = out.narrow(0, d.u_len(), d.states_len())?.reshape((n + 1, bh, dk, dv))?;
+    Ok((u, states))
+}
+
+/// [`walk`]'s U and states as the op returns them, flat: for an op that reads both.
+pub(crate) fn walk_flat(w: &Tensor, kc: Option<&Tensor>, kend: &Tensor, s0: &Tensor, a: &Tensor) -> Result<Tensor> {
+    let (n, bh, c, dv) = w.dims4()?;
+    let dk = kend.dim(3)?;
+    let d = WalkDims { n, bh, c, dk, dv, delta: kc.is_some() };
     let kk = match kc {
         Some(kc) => Tensor::cat(&[kc, kend], 3)?,
         None => kend.contiguous()?,
     };
     let extra = Tensor::cat(&[s0.flatten_all()?, a.flatten_all()?], 0)?;
-    let out = w.contiguous()?.apply_op3(&kk, &extra, Walk(d))?;
-    let u = out.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
-    let states = out.narrow(0, d.u_len(), d.states_len())?.reshape((n + 1, bh, dk, dv))?;
-    Ok((u, states))
+    w.contiguous()?.apply_op3(&kk, &extra, Walk(d))
 }
 
 struct Walk(WalkDims);

@@ -65,6 +65,9 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     if let Some(gk) = rec.gk {
         return forward_per_channel(rec, gk, form);
     }
+    if form == Form::Kernels {
+        return forward_kernels(rec);
+    }
     let (b, t, h, dk) = rec.q.dims4()?;
     let dv = rec.v.dim(3)?;
     let dev = rec.q.device();
@@ -98,11 +101,6 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
                                     // (W, Kc): U = W − Kc S₀ for every chunk.
     let (w, kc) = match rec.rule {
         Rule::Plain => (v.broadcast_mul(&beta.unsqueeze(3)?)?, None),
-        Rule::Delta if form == Form::Kernels => {
-            let (w, kc) = super::chunk_intra::solve(&k, &v, &beta, decays.as_ref().map(|d| &d.gamma))?;
-            mark("chunked: W and Kc");
-            (w, Some(kc))
-        }
         Rule::Delta => {
             let v_beta = v.broadcast_mul(&beta.unsqueeze(3)?)?;
             let k_beta = k.broadcast_mul(&beta.unsqueeze(3)?)?;
@@ -122,14 +120,6 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     let q_decayed = scaled(&q, |d| &d.e_gamma)?;
     mark("chunked: QK");
     let s0 = initial_state(rec, DType::F32)?;
-    if form == Form::Kernels {
-        let kend = scaled(&k, |d| &d.to_end)?; // [N,BH,C,dk]
-        let rows = match &decays {
-            Some(d) => d.last.exp()?.broadcast_as((n, b * h, dk))?,
-            None => Tensor::ones((n, b * h, dk), DType::F32, dev)?,
-        };
-        return walked(rec, (&w, kc.as_ref(), &kend, &s0, &rows), &q_decayed, &qk);
-    }
     let k_to_end = scaled(&k, |d| &d.to_end)?.t()?.contiguous()?; // [N,BH,dk,C]
     let chunk_decay = decays.as_ref().map(|d| d.last.exp()?.unsqueeze(3)).transpose()?; // [N,BH,1,1]
 
@@ -152,6 +142,54 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
 }
 
+/// [`forward_in`]'s kernel form with a decay per head (or none): the intra-chunk solve, the walk
+/// and the outputs each one op with its own backward ([`super::chunk_intra`],
+/// [`super::chunk_walk`], [`super::chunk_out`]); only the layout and the decays' cumulative sums
+/// are candle ops.
+fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, dk) = rec.q.dims4()?;
+    let dv = rec.v.dim(3)?;
+    let c = CHUNK.min(t.next_power_of_two());
+    let n = t.div_ceil(c);
+    let mark = |stage| crate::profile::mark(stage, rec.q.device());
+    mark("chunked: before");
+    // Queries and keys in one layout pass; the queries' scale is applied inside the outputs op.
+    let qk = chunks(&Tensor::cat(&[rec.q, rec.k], 3)?, c)?; // [N,BH,C,2dk]
+    let k = qk.narrow(3, dk, dk)?;
+    let v = chunks(rec.v, c)?;
+    let scalar = |x: &Tensor| chunks(&x.unsqueeze(3)?, c)?.squeeze(3); // [N,BH,C]
+    let beta = scalar(rec.beta)?;
+    let gamma = rec.g.map(|g| scalar(g)?.cumsum(2)).transpose()?;
+    mark("chunked: inputs to chunks");
+    let (w, kc) = match rec.rule {
+        Rule::Plain => (v.broadcast_mul(&beta.unsqueeze(3)?)?, None),
+        Rule::Delta => {
+            let (w, kc) = super::chunk_intra::solve(&k, &v, &beta, gamma.as_ref())?;
+            (w, Some(kc))
+        }
+    };
+    mark("chunked: W and Kc");
+    let (kend, rows) = match &gamma {
+        Some(g) => {
+            let last = g.narrow(2, c - 1, 1)?; // [N,BH,1]
+            let to_end = last.broadcast_sub(g)?.exp()?.unsqueeze(3)?;
+            (k.broadcast_mul(&to_end)?, last.exp()?.broadcast_as((n, b * h, dk))?)
+        }
+        None => (k.clone(), Tensor::ones((n, b * h, dk), DType::F32, rec.q.device())?),
+    };
+    let s0 = initial_state(rec, DType::F32)?;
+    let walked = super::chunk_walk::walk_flat(&w, kc.as_ref(), &kend, &s0, &rows)?;
+    mark("chunked: walk");
+    let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv)?;
+    mark("chunked: outputs");
+    let o = o.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
+    let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
+    let o = o.contiguous()?;
+    let state = walked.narrow(0, n * b * h * c * dv + n * b * h * dk * dv, b * h * dk * dv)?;
+    mark("chunked: output layout");
+    Ok((o, state.reshape((b, h, dk, dv))?))
+}
+
 /// The state the recurrence starts from, [B·H, dk, dv] in `dtype`: the given one or zeros.
 fn initial_state(rec: &Recurrence, dtype: DType) -> Result<Tensor> {
     let (b, _, h, dk) = rec.q.dims4()?;
@@ -164,8 +202,6 @@ fn initial_state(rec: &Recurrence, dtype: DType) -> Result<Tensor> {
 
 /// The decay factors of one gated recurrence in chunks, from the in-chunk cumulative log decay γ.
 struct Decays {
-    /// γ [N,BH,C]
-    gamma: Tensor,
     /// D = exp(γ_t − γ_j) on and below the diagonal, 0 above [N,BH,C,C]
     decay: Tensor,
     /// e^γ [N,BH,C,1]
@@ -190,7 +226,6 @@ impl Decays {
             e_gamma: gamma.exp()?.unsqueeze(3)?,
             to_end: last.broadcast_sub(&gamma)?.exp()?.unsqueeze(3)?,
             last,
-            gamma,
         })
     }
 }

@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{IntraDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
+use super::launch::{IntraDims, OutDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -650,5 +650,79 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
     }
     // SAFETY: argument list matches `chunk_intra_bwd_f32` in kernels.cu; out sized above.
     unsafe { builder.launch(intra_config(d, true)) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}
+
+/// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
+/// tiles, and one (three) per-token scalars.
+fn out_smem(backward: bool) -> usize {
+    let (sq, tile) = (64 * 65, 64 * 33);
+    4 * if backward { 2 * sq + 2 * tile + 3 * 64 } else { sq + 2 * tile + 64 }
+}
+
+/// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).
+pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<(CudaStorage, Shape)> {
+    if d.c > 64 {
+        candle_core::bail!("chunk outputs: chunks of {} are above the kernel's 64", d.c);
+    }
+    let dev = qk.0.device().clone();
+    let what = "chunk outputs";
+    let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
+    // SAFETY: the kernel writes every element of O.
+    let out = unsafe { dev.alloc::<f32>(d.o_len())? };
+    let func = function(&dev, "chunk_out_fwd_f32")?;
+    shared_memory(&func, out_smem(false))?;
+    let blocks = (d.n * d.bh) as i64;
+    let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((d.n * d.bh) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: out_smem(false) as u32,
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&qk).arg(&walked).arg(&gamma).arg(&out).arg(&blocks);
+    for v in &ints {
+        builder.arg(v);
+    }
+    builder.arg(&d.scale);
+    // SAFETY: argument list matches `chunk_out_fwd_f32` in kernels.cu; out sized by OutDims.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(d.o_len())))
+}
+
+/// `chunk_out_bwd_f32`: dqk, dU, the states' gradient, dγ, flat (see `ops::chunk_out`).
+pub fn chunk_out_back(
+    d: &OutDims,
+    grad: Input,
+    qk: Input,
+    walked: Input,
+    gamma: Input,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = grad.0.device().clone();
+    let what = "chunk outputs";
+    let grad = view::<f32>(grad, "chunk outputs backward")?;
+    let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
+    let n = d.qk_len() + d.walked_len() + d.scalars();
+    // Zeroed: O does not read the last state, whose gradient the kernel leaves as it is.
+    let out = dev.alloc_zeros::<f32>(n)?;
+    let func = function(&dev, "chunk_out_bwd_f32")?;
+    shared_memory(&func, out_smem(true))?;
+    let (blocks, walked_len) = ((d.n * d.bh) as i64, d.walked_len() as i64);
+    let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((d.n * d.bh) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: out_smem(true) as u32,
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    builder.arg(&qk).arg(&walked).arg(&gamma).arg(&grad).arg(&out).arg(&blocks).arg(&walked_len);
+    for v in &ints {
+        builder.arg(v);
+    }
+    builder.arg(&d.scale);
+    // SAFETY: argument list matches `chunk_out_bwd_f32` in kernels.cu; out sized above.
+    unsafe { builder.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }

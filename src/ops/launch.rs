@@ -51,3 +51,14 @@ pub(crate) struct IntraDims {
     pub dk: usize,
     pub dv: usize,
 }
+
+/// Sizes of one chunk-outputs op: N chunks of C tokens for BH heads, and the query scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OutDims {
+    pub n: usize,
+    pub bh: usize,
+    pub c: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub scale: f32,
+}
