@@ -15,10 +15,11 @@
 //!   dβ_t = Σ_j P_tj / β_t (written without the division) + v_t·dX_t + e^{γ_t} k_t·dY_t
 //!   dγ_t = Σ_j P_tj − Σ_s P_st + β_t e^{γ_t} k_t·dY_t
 //! In candle ops this is a dozen [N, B·H, C, C] tensors kept for autograd and as many launches each
-//! way; here it is one launch each way, one block per chunk and head.
+//! way; here it is one launch each way, one block per chunk and head. The composed form's solve,
+//! in float64 candle ops, is here too ([`unit_lower_inverse`]): the reference of this op's tests.
 
-use super::cpu_f32;
 pub(crate) use super::launch::IntraDims;
+use super::{cpu_f32, cpu_slice as slice};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -57,12 +58,6 @@ pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor
 
 struct Intra(IntraDims);
 
-/// The storage range of a contiguous float32 input.
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let (a, b) = super::contiguous(l, what)?;
-    Ok(&s.as_slice::<f32>()?[a..b])
-}
-
 /// One chunk's inputs on the CPU.
 struct Chunk<'a> {
     c: usize,
@@ -74,7 +69,21 @@ struct Chunk<'a> {
     gamma: &'a [f32],
 }
 
-impl Chunk<'_> {
+impl<'a> Chunk<'a> {
+    /// Block `b`'s chunk of the flat inputs.
+    fn of(d: IntraDims, b: usize, k: &'a [f32], v: &'a [f32], beta: &'a [f32], gamma: &'a [f32]) -> Chunk<'a> {
+        let (c, dk, dv) = (d.c, d.dk, d.dv);
+        Chunk {
+            c,
+            dk,
+            dv,
+            k: &k[b * c * dk..][..c * dk],
+            v: &v[b * c * dv..][..c * dv],
+            beta: &beta[b * c..][..c],
+            gamma: &gamma[b * c..][..c],
+        }
+    }
+
     /// G = K Kᵀ (strictly lower part) and T = (I − A)⁻¹, both [C, C] row-major.
     fn solve(&self) -> (Vec<f32>, Vec<f32>) {
         let (c, dk) = (self.c, self.dk);
@@ -130,15 +139,7 @@ impl CustomOp3 for Intra {
         let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..d.blocks())
             .into_par_iter()
             .map(|b| {
-                let ch = Chunk {
-                    c,
-                    dk,
-                    dv,
-                    k: &k[b * c * dk..][..c * dk],
-                    v: &v[b * c * dv..][..c * dv],
-                    beta: &beta[b * c..][..c],
-                    gamma: &gamma[b * c..][..c],
-                };
+                let ch = Chunk::of(d, b, k, v, beta, gamma);
                 let (_, tm) = ch.solve();
                 let (mut w, mut kc) = (vec![0f32; c * dv], vec![0f32; c * dk]);
                 for t in 0..c {
@@ -222,15 +223,7 @@ impl CustomOp1 for IntraBack {
         let blocks: Vec<Grads> = (0..d.blocks())
             .into_par_iter()
             .map(|b| {
-                let ch = Chunk {
-                    c,
-                    dk,
-                    dv,
-                    k: &k[b * c * dk..][..c * dk],
-                    v: &v[b * c * dv..][..c * dv],
-                    beta: &beta[b * c..][..c],
-                    gamma: &gamma[b * c..][..c],
-                };
+                let ch = Chunk::of(d, b, &k, &v, beta, gamma);
                 let (dw, dkc) = (&gw[b * c * dv..][..c * dv], &gkc[b * c * dk..][..c * dk]);
                 chunk_backward(&ch, dw, dkc)
             })
@@ -315,6 +308,22 @@ fn chunk_backward(ch: &Chunk, dw: &[f32], dkc: &[f32]) -> (Vec<f32>, Vec<f32>, V
     (gk, gv, gb, gg)
 }
 
+/// The composed form's solve: (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) as
+/// Π_{i<log₂C} (I + A^{2^i}), in float64 (differentiable candle ops).
+pub(super) fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
+    let a = a.to_dtype(DType::F64)?;
+    let eye = Tensor::eye(c, DType::F64, a.device())?;
+    let mut inv = a.broadcast_add(&eye)?;
+    let mut power = a;
+    let mut span = 2;
+    while span < c {
+        power = power.matmul(&power)?;
+        inv = inv.matmul(&power.broadcast_add(&eye)?)?;
+        span *= 2;
+    }
+    Ok(inv)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,7 +340,7 @@ mod tests {
         // exp only where it is used: above the diagonal γ_t − γ_j > 0 may be large.
         let decay = diff.broadcast_mul(&strict).unwrap().exp().unwrap().broadcast_mul(&strict).unwrap();
         let a = (k.matmul(&k.t().unwrap()).unwrap() * decay).unwrap().broadcast_mul(&b).unwrap().neg().unwrap();
-        let inv = super::super::chunked::unit_lower_inverse(&a, c).unwrap().to_dtype(DType::F32).unwrap();
+        let inv = unit_lower_inverse(&a, c).unwrap().to_dtype(DType::F32).unwrap();
         let x = v.broadcast_mul(&b).unwrap();
         let y = k.broadcast_mul(&(b * gamma.exp().unwrap().unsqueeze(3).unwrap()).unwrap()).unwrap();
         (inv.matmul(&x).unwrap(), inv.matmul(&y).unwrap())

@@ -11,8 +11,8 @@
 //! In candle ops these are two [C, C] products, the decay masks and the decayed queries, each a
 //! full-size tensor kept for autograd; here one launch each way, one block per chunk and head.
 
-use super::cpu_f32;
 pub(crate) use super::launch::OutDims;
+use super::{cpu_f32, cpu_slice as slice};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -52,12 +52,6 @@ pub(crate) fn output(qk: &Tensor, walked: &Tensor, gamma: Option<&Tensor>, scale
 }
 
 struct Out(OutDims);
-
-/// The storage range of a contiguous float32 input.
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let (a, b) = super::contiguous(l, what)?;
-    Ok(&s.as_slice::<f32>()?[a..b])
-}
 
 /// One chunk's inputs on the CPU.
 struct Chunk<'a> {

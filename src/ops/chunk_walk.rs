@@ -15,8 +15,8 @@
 //! Columns of the state are independent, so the GPU splits them over blocks ([`TILE`] each);
 //! the terms summed over columns (dKc, dKend, da) come back per tile and are added here.
 
-use super::cpu_f32;
 pub(crate) use super::launch::{WalkDims, MAX_DK, TILE};
+use super::{cpu_f32, cpu_slice as slice};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -93,12 +93,6 @@ pub(crate) fn walk_flat(w: &Tensor, kc: Option<&Tensor>, kend: &Tensor, s0: &Ten
 }
 
 struct Walk(WalkDims);
-
-/// The storage range of a contiguous float32 input.
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let (a, b) = super::contiguous(l, what)?;
-    Ok(&s.as_slice::<f32>()?[a..b])
-}
 
 impl CustomOp3 for Walk {
     fn name(&self) -> &'static str {

@@ -110,7 +110,7 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
             // In float64: repeated squaring in float32 loses the un-gated DeltaNet's trained keys
             // (logits off by 2e-2 at C = 64); float64 keeps it exact at a small cost. Forward
             // substitution (the kernel form) is accurate in float32.
-            let inv = unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?;
+            let inv = super::chunk_intra::unit_lower_inverse(&a, c)?.to_dtype(DType::F32)?;
             mark("chunked: solve");
             (inv.matmul(&v_beta)?, Some(inv.matmul(&scaled(&k_beta, |d| &d.e_gamma)?)?))
         }
@@ -256,21 +256,6 @@ fn walked(
     Ok((o, states.get(n)?.reshape((b, h, dk, dv))?))
 }
 
-/// The inverse (I − A)⁻¹ of a strictly lower triangular A [.., C, C] (C = 2^m) in float64.
-pub(super) fn unit_lower_inverse(a: &Tensor, c: usize) -> Result<Tensor> {
-    let a = a.to_dtype(DType::F64)?;
-    let eye = Tensor::eye(c, DType::F64, a.device())?;
-    let mut inv = a.broadcast_add(&eye)?;
-    let mut power = a;
-    let mut span = 2;
-    while span < c {
-        power = power.matmul(&power)?;
-        inv = inv.matmul(&power.broadcast_add(&eye)?)?;
-        span *= 2;
-    }
-    Ok(inv)
-}
-
 /// [`forward`] with a decay per key channel `gk` [B,T,H,dk] (and the scalar `g` on top).
 fn forward_per_channel(rec: &Recurrence, gk: &Tensor, form: Form) -> Result<(Tensor, Tensor)> {
     let (b, t, h, dk) = rec.q.dims4()?;
@@ -298,7 +283,7 @@ fn forward_per_channel(rec: &Recurrence, gk: &Tensor, form: Form) -> Result<(Ten
         Rule::Plain => (v_beta, None),
         Rule::Delta => {
             let a = k_hat.broadcast_mul(&beta)?.matmul(&k_til_t)?.broadcast_mul(&mask64(|t, j| j < t)?)?.neg()?;
-            let inv = unit_lower_inverse(&a, c)?;
+            let inv = super::chunk_intra::unit_lower_inverse(&a, c)?;
             (inv.matmul(&v_beta)?, Some(inv.matmul(&k_hat.broadcast_mul(&beta)?)?))
         }
     };

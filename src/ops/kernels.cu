@@ -832,20 +832,41 @@ __device__ __forceinline__ void intra_stage(const float *src, int width, int col
   chunk_stage(src, width, width, col0, c, INTRA_C, scale, tile);
 }
 
-// acc[q][s] += Σ_r a[4 bi + q][r] b[4 bj + s][r] over one staged tile pair.
-__device__ __forceinline__ void intra_pairs(const float *a, const float *b, int bi, int bj, float acc[4][4]) {
+// acc[q][s] += Σ_{r<n} a[(4 bi + q) ra + r ca] b[(4 bj + s) rb + r cb]: a thread's 4 x 4 block of
+// a product of two shared-memory matrices, either read by rows or by columns.
+__device__ __forceinline__ void block_product(const float *a, int ra, int ca, const float *b, int rb, int cb, int n,
+                                              int bi, int bj, float acc[4][4]) {
 #pragma unroll 4
-  for (int r = 0; r < INTRA_TW; ++r) {
+  for (int r = 0; r < n; ++r) {
     float x[4], y[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      x[q] = a[(4 * bi + q) * INTRA_TP + r];
-      y[q] = b[(4 * bj + q) * INTRA_TP + r];
+      x[q] = a[(4 * bi + q) * ra + r * ca];
+      y[q] = b[(4 * bj + q) * rb + r * cb];
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q)
 #pragma unroll
       for (int s = 0; s < 4; ++s) acc[q][s] += x[q] * y[s];
+  }
+}
+
+// acc[q][s] += Σ_r a[4 bi + q][r] b[4 bj + s][r] over one staged tile pair.
+__device__ __forceinline__ void intra_pairs(const float *a, const float *b, int bi, int bj, float acc[4][4]) {
+  block_product(a, INTRA_TP, 1, b, INTRA_TP, 1, INTRA_TW, bi, bj, acc);
+}
+
+// acc += A Bᵀ on the thread's 4 x 4 block where it is on or below the diagonal, for A and B
+// [c, width] with row strides lda and ldb, staged a column tile at a time through ta and tb.
+__device__ void lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
+                               float *tb, float acc[4][4]) {
+  const int bi = threadIdx.x / 16, bj = threadIdx.x % 16;
+  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
+    chunk_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
+    chunk_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    if (bj <= bi) intra_pairs(ta, tb, bi, bj, acc);
+    __syncthreads();
   }
 }
 
@@ -865,7 +886,7 @@ __device__ void intra_gram(const float *k, int c, int dk, float *tile, float *G)
     for (int s = 0; s < 4; ++s) G[(4 * bi + q) * INTRA_P + 4 * bj + s] = acc[q][s];
 }
 
-// T = (I − A)⁻¹ by forward substitution, one thread per column (as `unit_lower_inverse`): column
+// T = (I − A)⁻¹ by forward substitution, one thread per column (as fla's `solve_tril`): column
 // `col` solves x_i = [i = col] + Σ_{col≤j<i} A_ij x_j on its own.
 __device__ void intra_invert(const float *A, int c, float *T) {
   const int col = threadIdx.x;
@@ -979,13 +1000,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
   }
-  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
-    intra_stage(gkc, dk, col0, c, nullptr, ta);
-    intra_stage(kb, dk, col0, c, nullptr, tb);
-    __syncthreads();
-    if (bj <= bi) intra_pairs(ta, tb, bi, bj, ay);
-    __syncthreads();
-  }
+  lower_products(gkc, dk, kb, dk, dk, c, ta, tb, ay);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -998,18 +1013,7 @@ extern "C" __global__ void __launch_bounds__(256)
   // M = Tᵀ dT, then dA = M Tᵀ over dT.
   {
     float m[4][4] = {};
-    for (int a = 0; a < c; ++a) {
-      float x[4], y[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        x[q] = T[a * INTRA_P + 4 * bi + q];
-        y[q] = D[a * INTRA_P + 4 * bj + q];
-      }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) m[q][s] += x[q] * y[s];
-    }
+    block_product(T, 1, INTRA_P, D, 1, INTRA_P, c, bi, bj, m);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -1018,18 +1022,7 @@ extern "C" __global__ void __launch_bounds__(256)
   __syncthreads();
   {
     float m[4][4] = {};
-    for (int b = 0; b < c; ++b) {
-      float x[4], y[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        x[q] = M[(4 * bi + q) * INTRA_P + b];
-        y[q] = T[(4 * bj + q) * INTRA_P + b];
-      }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) m[q][s] += x[q] * y[s];
-    }
+    block_product(M, INTRA_P, 1, T, INTRA_P, 1, c, bi, bj, m);
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < 4; ++q)
@@ -1095,18 +1088,25 @@ extern "C" __global__ void __launch_bounds__(256)
 // [U (blocks x c x dv) | states ((n + 1) bh x dk x dv)], γ [blocks, c]. P = Q̃Kᵀ ∘ D stays in
 // shared memory; the products with U and S run over column tiles as in the solve above.
 
+// acc[i] += Σ_{r<INTRA_TW} ta[row0 + 8i][r] tb[r rb + cc cb]: a thread's eight rows of a staged
+// tile times a staged tile read by rows (rb = INTRA_TP, cb = 1) or transposed (rb = 1).
+__device__ __forceinline__ void rows_by_tile(const float *ta, const float *tb, int rb, int cb, int row0, int cc,
+                                             float acc[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float *a = ta + (row0 + 8 * i) * INTRA_TP;
+    float x = 0.0f;
+    for (int r = 0; r < INTRA_TW; ++r) x += a[r] * tb[r * rb + cc * cb];
+    acc[i] += x;
+  }
+}
+
 // P[t][j] = scale (q_t·k_j) e^{γ_t − γ_j} for j ≤ t < c, else 0, staging q and k in ta, tb.
 __device__ void out_scores(const float *qk, int c, int dk, float scale, const float *gam, float *ta, float *tb,
                            float *P) {
   const int bi = threadIdx.x / 16, bj = threadIdx.x % 16;
   float acc[4][4] = {};
-  for (int r0 = 0; r0 < dk; r0 += INTRA_TW) {
-    chunk_stage(qk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
-    chunk_stage(qk + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    if (bj <= bi) intra_pairs(ta, tb, bi, bj, acc);
-    __syncthreads();
-  }
+  lower_products(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -1136,13 +1136,7 @@ extern "C" __global__ void __launch_bounds__(256)
       chunk_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
       chunk_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
       __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = row0 + 8 * i;
-        float x = 0.0f;
-        for (int r = 0; r < INTRA_TW; ++r) x += ta[t * INTRA_TP + r] * tb[r * INTRA_TP + cc];
-        acc[i] += x;
-      }
+      rows_by_tile(ta, tb, INTRA_TP, 1, row0, cc, acc);
       __syncthreads();
     }
     intra_stage(u, dv, col0, c, nullptr, tb);
@@ -1241,13 +1235,7 @@ extern "C" __global__ void __launch_bounds__(256)
       intra_stage(go, dv, col0, c, nullptr, ta);
       chunk_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
       __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int t = row0 + 8 * i;
-        float x = 0.0f;
-        for (int k = 0; k < INTRA_TW; ++k) x += ta[t * INTRA_TP + k] * tb[cc * INTRA_TP + k];
-        acc[i] += x;
-      }
+      rows_by_tile(ta, tb, 1, INTRA_TP, row0, cc, acc);
       __syncthreads();
     }
     chunk_stage(q + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);

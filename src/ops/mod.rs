@@ -99,6 +99,12 @@ pub(crate) fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 
+/// The contiguous float32 input of a custom op's CPU half, as a slice.
+pub(crate) fn cpu_slice<'a>(s: &'a candle_core::CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let (a, b) = contiguous(l, what)?;
+    Ok(&s.as_slice::<f32>()?[a..b])
+}
+
 /// The storage range of a contiguous layout, for the custom ops' CPU and CUDA halves; an error
 /// naming `what` otherwise.
 pub(crate) fn contiguous(layout: &Layout, what: &str) -> Result<(usize, usize)> {
