@@ -70,17 +70,21 @@ pub(crate) fn walk(
     s0: &Tensor,
     a: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (n, bh, c, dv) = w.dims4()?;
-    let dk = kend.dim(3)?;
-    let d = WalkDims { n, bh, c, dk, dv, delta: kc.is_some() };
-    let out = walk_flat(w, kc, kend, s0, a)?;
-    let u = out.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
-    let states = out.narrow(0, d.u_len(), d.states_len())?.reshape((n + 1, bh, dk, dv))?;
+    let (out, d) = walk_flat(w, kc, kend, s0, a)?;
+    let u = out.narrow(0, 0, d.u_len())?.reshape((d.n, d.bh, d.c, d.dv))?;
+    let states = out.narrow(0, d.u_len(), d.states_len())?.reshape((d.n + 1, d.bh, d.dk, d.dv))?;
     Ok((u, states))
 }
 
-/// [`walk`]'s U and states as the op returns them, flat: for an op that reads both.
-pub(crate) fn walk_flat(w: &Tensor, kc: Option<&Tensor>, kend: &Tensor, s0: &Tensor, a: &Tensor) -> Result<Tensor> {
+/// [`walk`]'s U and states as the op returns them, flat (for an op that reads both), and the
+/// walk's sizes.
+pub(crate) fn walk_flat(
+    w: &Tensor,
+    kc: Option<&Tensor>,
+    kend: &Tensor,
+    s0: &Tensor,
+    a: &Tensor,
+) -> Result<(Tensor, WalkDims)> {
     let (n, bh, c, dv) = w.dims4()?;
     let dk = kend.dim(3)?;
     let d = WalkDims { n, bh, c, dk, dv, delta: kc.is_some() };
@@ -89,7 +93,12 @@ pub(crate) fn walk_flat(w: &Tensor, kc: Option<&Tensor>, kend: &Tensor, s0: &Ten
         None => kend.contiguous()?,
     };
     let extra = Tensor::cat(&[s0.flatten_all()?, a.flatten_all()?], 0)?;
-    w.contiguous()?.apply_op3(&kk, &extra, Walk(d))
+    Ok((w.contiguous()?.apply_op3(&kk, &extra, Walk(d))?, d))
+}
+
+/// The final state S_N, flat [BH·dk·dv], of [`walk_flat`]'s output.
+pub(crate) fn final_state(out: &Tensor, d: &WalkDims) -> Result<Tensor> {
+    out.narrow(0, d.u_len() + d.n * d.state_len(), d.state_len())
 }
 
 struct Walk(WalkDims);

@@ -50,8 +50,10 @@ pub enum Form {
     /// Candle ops only: the loop over chunks in matmuls, the solve in float64 products. The
     /// reference, and the path on devices without statecut's kernels.
     Composed,
-    /// The intra-chunk solve ([`super::chunk_intra`]) and the walk ([`super::chunk_walk`]) as
-    /// ops with their own backward, in float32; the rest stays in batched candle ops.
+    /// statecut's ops with their own backward, in float32: with a decay per head (or none) the
+    /// intra-chunk solve, the walk and the outputs ([`super::chunk_intra`],
+    /// [`super::chunk_walk`], [`super::chunk_out`]); with per-key-channel decays the walk alone.
+    /// The rest stays in batched candle ops.
     Kernels,
 }
 
@@ -98,7 +100,8 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     mark("chunked: decays");
 
     let k_t = k.t()?.contiguous()?; // [N,BH,dk,C]
-                                    // (W, Kc): U = W − Kc S₀ for every chunk.
+
+    // (W, Kc): U = W − Kc S₀ for every chunk.
     let (w, kc) = match rec.rule {
         Rule::Plain => (v.broadcast_mul(&beta.unsqueeze(3)?)?, None),
         Rule::Delta => {
@@ -178,14 +181,14 @@ fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
         None => (k.clone(), Tensor::ones((n, b * h, dk), DType::F32, rec.q.device())?),
     };
     let s0 = initial_state(rec, DType::F32)?;
-    let walked = super::chunk_walk::walk_flat(&w, kc.as_ref(), &kend, &s0, &rows)?;
+    let (walked, walk) = super::chunk_walk::walk_flat(&w, kc.as_ref(), &kend, &s0, &rows)?;
     mark("chunked: walk");
     let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv)?;
     mark("chunked: outputs");
     let o = o.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
     let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
     let o = o.contiguous()?;
-    let state = walked.narrow(0, n * b * h * c * dv + n * b * h * dk * dv, b * h * dk * dv)?;
+    let state = super::chunk_walk::final_state(&walked, &walk)?;
     mark("chunked: output layout");
     Ok((o, state.reshape((b, h, dk, dv))?))
 }

@@ -593,20 +593,18 @@ fn intra_smem(backward: bool) -> usize {
     4 * if backward { 4 * sq + 2 * tile + 5 * 64 } else { 2 * sq + tile + 3 * 64 }
 }
 
-/// One block of 256 threads per chunk and head.
-fn intra_config(d: &IntraDims, backward: bool) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((d.n * d.bh) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: intra_smem(backward) as u32,
+/// One block of 256 threads per chunk and head (the chunk ops' grid), with `smem` bytes of
+/// shared memory; chunks above the kernels' 64 tokens are refused, naming `what`.
+fn chunk_config(n: usize, bh: usize, c: usize, smem: usize, what: &str) -> Result<LaunchConfig> {
+    if c > 64 {
+        candle_core::bail!("{what}: chunks of {c} are above the kernel's 64");
     }
+    Ok(LaunchConfig { grid_dim: ((n * bh) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 })
 }
 
 /// `chunk_intra_fwd_f32`: W then Kc, flat (see `ops::chunk_intra`).
 pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
-    if d.c > 64 {
-        candle_core::bail!("chunk solve: chunks of {} are above the kernel's 64", d.c);
-    }
+    let cfg = chunk_config(d.n, d.bh, d.c, intra_smem(false), "chunk solve")?;
     let dev = k.0.device().clone();
     let (k, v, scal) =
         (view::<f32>(k, "chunk solve")?, view::<f32>(v, "chunk solve")?, view::<f32>(scal, "chunk solve")?);
@@ -625,12 +623,13 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
         builder.arg(v);
     }
     // SAFETY: argument list matches `chunk_intra_fwd_f32` in kernels.cu; buffers sized by IntraDims.
-    unsafe { builder.launch(intra_config(d, false)) }.w()?;
+    unsafe { builder.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(lw + lk)))
 }
 
 /// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat (see `ops::chunk_intra`).
 pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
+    let cfg = chunk_config(d.n, d.bh, d.c, intra_smem(true), "chunk solve backward")?;
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk solve backward")?;
     let (k, v, scal) =
@@ -649,7 +648,7 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
         builder.arg(v);
     }
     // SAFETY: argument list matches `chunk_intra_bwd_f32` in kernels.cu; out sized above.
-    unsafe { builder.launch(intra_config(d, true)) }.w()?;
+    unsafe { builder.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 
@@ -662,9 +661,7 @@ fn out_smem(backward: bool) -> usize {
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).
 pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<(CudaStorage, Shape)> {
-    if d.c > 64 {
-        candle_core::bail!("chunk outputs: chunks of {} are above the kernel's 64", d.c);
-    }
+    let cfg = chunk_config(d.n, d.bh, d.c, out_smem(false), "chunk outputs")?;
     let dev = qk.0.device().clone();
     let what = "chunk outputs";
     let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
@@ -674,11 +671,6 @@ pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<
     shared_memory(&func, out_smem(false))?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
-    let cfg = LaunchConfig {
-        grid_dim: ((d.n * d.bh) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: out_smem(false) as u32,
-    };
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     builder.arg(&qk).arg(&walked).arg(&gamma).arg(&out).arg(&blocks);
@@ -699,6 +691,7 @@ pub fn chunk_out_back(
     walked: Input,
     gamma: Input,
 ) -> Result<(CudaStorage, Shape)> {
+    let cfg = chunk_config(d.n, d.bh, d.c, out_smem(true), "chunk outputs backward")?;
     let dev = grad.0.device().clone();
     let what = "chunk outputs";
     let grad = view::<f32>(grad, "chunk outputs backward")?;
@@ -710,11 +703,6 @@ pub fn chunk_out_back(
     shared_memory(&func, out_smem(true))?;
     let (blocks, walked_len) = ((d.n * d.bh) as i64, d.walked_len() as i64);
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
-    let cfg = LaunchConfig {
-        grid_dim: ((d.n * d.bh) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: out_smem(true) as u32,
-    };
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     builder.arg(&qk).arg(&walked).arg(&gamma).arg(&grad).arg(&out).arg(&blocks).arg(&walked_len);
