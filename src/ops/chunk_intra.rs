@@ -38,9 +38,10 @@ impl IntraDims {
     }
 }
 
-/// (W [N,BH,C,dv], Kc [N,BH,C,dk]) float32, differentiable in every input: k [N,BH,C,dk],
-/// v [N,BH,C,dv], β [N,BH,C] and γ [N,BH,C] (no decay without it).
-pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+/// W [N,BH,C,dv] then Kc [N,BH,C,dk], float32 and flat in one buffer (as the walk reads them),
+/// differentiable in every input: k [N,BH,C,dk], v [N,BH,C,dv], β [N,BH,C] and γ [N,BH,C] (no
+/// decay without it).
+pub(crate) fn solve_flat(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor>) -> Result<Tensor> {
     let (n, bh, c, dk) = k.dims4()?;
     let dv = v.dim(3)?;
     let d = IntraDims { n, bh, c, dk, dv };
@@ -50,9 +51,17 @@ pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor
         None => Tensor::zeros((n, bh, c), DType::F32, k.device())?,
     };
     let scal = Tensor::stack(&[f32(beta)?, gamma], 0)?; // [2,N,BH,C]
-    let out = f32(k)?.apply_op3(&f32(v)?, &scal, Intra(d))?;
-    let w = out.narrow(0, 0, d.v_len())?.reshape((n, bh, c, dv))?;
-    let kc = out.narrow(0, d.v_len(), d.k_len())?.reshape((n, bh, c, dk))?;
+    f32(k)?.apply_op3(&f32(v)?, &scal, Intra(d))
+}
+
+/// [`solve_flat`]'s (W, Kc) as tensors of their own shapes.
+#[cfg(test)]
+pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let (n, bh, c, dk) = k.dims4()?;
+    let dv = v.dim(3)?;
+    let out = solve_flat(k, v, beta, gamma)?;
+    let w = out.narrow(0, 0, n * bh * c * dv)?.reshape((n, bh, c, dv))?;
+    let kc = out.narrow(0, n * bh * c * dv, n * bh * c * dk)?.reshape((n, bh, c, dk))?;
     Ok((w, kc))
 }
 

@@ -1,27 +1,32 @@
 //! The sequential half of the chunked delta rule ([`super::chunked`]) as one op with its own
 //! backward: the walk over chunks that carries the [dk, dv] state.
 //!
-//! Per chunk i, with W_i [C, dv], Kc_i and Kend_i [C, dk] and a decay per state row a_i [dk]:
+//! Per chunk i, with W_i [C, dv], Kc_i and K_i [C, dk], a per-token scale e_i [C] that makes the
+//! keys' contribution to the state Kend_i = diag(e_i) K_i, and a decay per state row a_i [dk]:
 //!   U_i = W_i − Kc_i S_i   (U_i = W_i under the plain rule, which has no Kc)
 //!   S_{i+1} = diag(a_i) S_i + Kend_iᵀ U_i
 //! The op returns every U_i and every chunk-start state S_0 … S_N (S_N is the final state): the
 //! output products read them, and the backward walks the chunks in reverse from them, keeping
 //! nothing else. In candle ops this loop is a handful of launches per chunk, and autograd keeps a
-//! full-size gradient for every chunk's slice; here it is one launch each way.
+//! full-size gradient for every chunk's slice; here it is one launch each way. W and Kc come in
+//! one flat buffer (the intra-chunk solve's output as it is), and Kend is formed while a chunk's
+//! keys are staged, so neither needs a copy of its own.
 //!
-//! The backward, with G the gradient reaching S_{i+1} (from later chunks and the outputs):
-//!   dU_i = gU_i + Kend_i G,  dW_i = dU_i,  dKend_i = U_i Gᵀ,  da_i = rowsum(S_i ∘ G),
-//!   dKc_i = −dU_i S_iᵀ,  G ← diag(a_i) G − Kc_iᵀ dU_i + gS_i
-//! Columns of the state are independent, so the GPU splits them over blocks ([`TILE`] each);
-//! the terms summed over columns (dKc, dKend, da) come back per tile and are added here.
+//! The backward, with G_{i+1} the gradient reaching S_{i+1} (from later chunks and the outputs):
+//!   dU_i = gU_i + Kend_i G_{i+1},  dW_i = dU_i,  G_i = diag(a_i) G_{i+1} − Kc_iᵀ dU_i + gS_i
+//! is the sequential part, and the kernel does only that, writing every G_{i+1}. The terms that
+//! sum over the state's columns are then batched products over all chunks at once:
+//!   dKend_i = U_i G_{i+1}ᵀ,  dKc_i = −dU_i S_iᵀ,  da_i = rowsum(S_i ∘ G_{i+1}),
+//!   dK_i = diag(e_i) dKend_i,  de_i = rowsum(K_i ∘ dKend_i)
+//! (the GPU splits the state's columns over blocks, which could only add those sums up per tile).
 
-pub(crate) use super::launch::{WalkDims, MAX_DK, TILE};
+pub(crate) use super::launch::{WalkDims, MAX_DK};
 use super::{cpu_f32, cpu_slice as slice};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 impl WalkDims {
-    /// Width of the packed keys: Kc | Kend for the delta rule, Kend alone for the plain one.
+    /// Width of a staged chunk's keys: Kc | Kend for the delta rule, Kend alone for the plain one.
     pub fn kk_width(&self) -> usize {
         if self.delta {
             2 * self.dk
@@ -29,7 +34,7 @@ impl WalkDims {
             self.dk
         }
     }
-    /// Column of Kend in the packed keys.
+    /// Column of Kend in a staged chunk's keys.
     pub fn kend_offset(&self) -> usize {
         if self.delta {
             self.dk
@@ -43,34 +48,38 @@ impl WalkDims {
     pub fn states_len(&self) -> usize {
         (self.n + 1) * self.bh * self.dk * self.dv
     }
-    fn state_len(&self) -> usize {
+    pub fn state_len(&self) -> usize {
         self.bh * self.dk * self.dv
     }
-    /// Column tiles of the GPU kernels: their grid's width, and the parts of the backward's
-    /// column sums.
-    pub fn gpu_tiles(&self) -> usize {
-        self.dv.div_ceil(TILE)
-    }
-    /// Column tiles of the backward on `dev`: the CPU sums every column in one pass.
-    fn tiles(&self, dev: &candle_core::Device) -> usize {
-        if dev.is_cpu() {
-            1
-        } else {
-            self.gpu_tiles()
-        }
+    /// Per-row decays a, then per-token key scales e, after S₀ in the extra input.
+    fn decays_len(&self) -> usize {
+        self.n * self.bh * self.dk
     }
 }
 
-/// (U [N,BH,C,dv], states [N+1,BH,dk,dv]) of the walk, float32, differentiable in every input:
-/// w [N,BH,C,dv], kc (delta rule only) and kend [N,BH,C,dk], s0 [BH,dk,dv], a [N,BH,dk].
-pub(crate) fn walk(
-    w: &Tensor,
-    kc: Option<&Tensor>,
-    kend: &Tensor,
-    s0: &Tensor,
-    a: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let (out, d) = walk_flat(w, kc, kend, s0, a)?;
+/// The walk's inputs, float32: W [N,BH,C,dv] and Kc [N,BH,C,dk] (delta rule only) flat in one
+/// buffer `wkc`, the keys k [N,BH,C,dk] and their per-token scale e [N,BH,C] (Kend = diag(e) K),
+/// S₀ [BH,dk,dv] and the per-row decays a [N,BH,dk].
+pub(crate) struct WalkIn<'a> {
+    pub wkc: &'a Tensor,
+    pub delta: bool,
+    pub k: &'a Tensor,
+    pub e: &'a Tensor,
+    pub s0: &'a Tensor,
+    pub a: &'a Tensor,
+}
+
+/// W and Kc as the walk's flat `wkc` input, from separate tensors.
+pub(crate) fn pack(w: &Tensor, kc: Option<&Tensor>) -> Result<Tensor> {
+    match kc {
+        Some(kc) => Tensor::cat(&[w.flatten_all()?, kc.flatten_all()?], 0),
+        None => w.flatten_all(),
+    }
+}
+
+/// (U [N,BH,C,dv], states [N+1,BH,dk,dv]) of the walk, float32, differentiable in every input.
+pub(crate) fn walk(x: &WalkIn) -> Result<(Tensor, Tensor)> {
+    let (out, d) = walk_flat(x)?;
     let u = out.narrow(0, 0, d.u_len())?.reshape((d.n, d.bh, d.c, d.dv))?;
     let states = out.narrow(0, d.u_len(), d.states_len())?.reshape((d.n + 1, d.bh, d.dk, d.dv))?;
     Ok((u, states))
@@ -78,22 +87,12 @@ pub(crate) fn walk(
 
 /// [`walk`]'s U and states as the op returns them, flat (for an op that reads both), and the
 /// walk's sizes.
-pub(crate) fn walk_flat(
-    w: &Tensor,
-    kc: Option<&Tensor>,
-    kend: &Tensor,
-    s0: &Tensor,
-    a: &Tensor,
-) -> Result<(Tensor, WalkDims)> {
-    let (n, bh, c, dv) = w.dims4()?;
-    let dk = kend.dim(3)?;
-    let d = WalkDims { n, bh, c, dk, dv, delta: kc.is_some() };
-    let kk = match kc {
-        Some(kc) => Tensor::cat(&[kc, kend], 3)?,
-        None => kend.contiguous()?,
-    };
-    let extra = Tensor::cat(&[s0.flatten_all()?, a.flatten_all()?], 0)?;
-    Ok((w.contiguous()?.apply_op3(&kk, &extra, Walk(d))?, d))
+pub(crate) fn walk_flat(x: &WalkIn) -> Result<(Tensor, WalkDims)> {
+    let (n, bh, c, dk) = x.k.dims4()?;
+    let dv = x.s0.dim(2)?;
+    let d = WalkDims { n, bh, c, dk, dv, delta: x.delta };
+    let extra = Tensor::cat(&[x.s0.flatten_all()?, x.a.flatten_all()?, x.e.flatten_all()?], 0)?;
+    Ok((x.wkc.contiguous()?.apply_op3(&x.k.contiguous()?, &extra, Walk(d))?, d))
 }
 
 /// The final state S_N, flat [BH·dk·dv], of [`walk_flat`]'s output.
@@ -103,6 +102,22 @@ pub(crate) fn final_state(out: &Tensor, d: &WalkDims) -> Result<Tensor> {
 
 struct Walk(WalkDims);
 
+/// One chunk's keys as the kernels stage them: [C, kk_width] rows of Kc | Kend.
+fn staged(d: &WalkDims, blk: usize, kc: &[f32], k: &[f32], e: &[f32]) -> Vec<f32> {
+    let (kkw, off) = (d.kk_width(), d.kend_offset());
+    let mut kk = vec![0f32; d.c * kkw];
+    for t in 0..d.c {
+        let row = (blk * d.c + t) * d.dk;
+        if d.delta {
+            kk[t * kkw..][..d.dk].copy_from_slice(&kc[row..][..d.dk]);
+        }
+        for r in 0..d.dk {
+            kk[t * kkw + off + r] = e[blk * d.c + t] * k[row + r];
+        }
+    }
+    kk
+}
+
 impl CustomOp3 for Walk {
     fn name(&self) -> &'static str {
         "statecut-chunk-walk"
@@ -110,17 +125,19 @@ impl CustomOp3 for Walk {
 
     fn cpu_fwd(
         &self,
-        w: &CpuStorage,
+        wkc: &CpuStorage,
         wl: &Layout,
-        kk: &CpuStorage,
-        kkl: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
         extra: &CpuStorage,
         el: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.0;
-        let (w, kk, extra) =
-            (slice(w, wl, "chunk walk")?, slice(kk, kkl, "chunk walk")?, slice(extra, el, "chunk walk")?);
-        let (s0, a) = extra.split_at(d.state_len());
+        let (wkc, k, extra) =
+            (slice(wkc, wl, "chunk walk")?, slice(k, kl, "chunk walk")?, slice(extra, el, "chunk walk")?);
+        let (w, kc) = wkc.split_at(d.u_len());
+        let (s0, rest) = extra.split_at(d.state_len());
+        let (a, e) = rest.split_at(d.decays_len());
         let (kkw, off) = (d.kk_width(), d.kend_offset());
         let (cd, kd) = (d.c * d.dv, d.dk * d.dv);
         // Per head: its U (chunk by chunk) and its states.
@@ -132,8 +149,8 @@ impl CustomOp3 for Walk {
                 for i in 0..d.n {
                     states.extend_from_slice(&s);
                     let blk = i * d.bh + h;
-                    let (wi, ki, ai) =
-                        (&w[blk * cd..][..cd], &kk[blk * d.c * kkw..][..d.c * kkw], &a[blk * d.dk..][..d.dk]);
+                    let (wi, ai) = (&w[blk * cd..][..cd], &a[blk * d.dk..][..d.dk]);
+                    let ki = staged(&d, blk, kc, k, e);
                     let mut u = wi.to_vec();
                     if d.delta {
                         for t in 0..d.c {
@@ -179,55 +196,58 @@ impl CustomOp3 for Walk {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        w: &candle_core::CudaStorage,
+        wkc: &candle_core::CudaStorage,
         wl: &Layout,
-        kk: &candle_core::CudaStorage,
-        kkl: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
         extra: &candle_core::CudaStorage,
         el: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::chunk_walk(&self.0, (w, wl), (kk, kkl), (extra, el))
+        super::cuda::chunk_walk(&self.0, (wkc, wl), (k, kl), (extra, el))
     }
 
     fn bwd(
         &self,
-        _w: &Tensor,
-        kk: &Tensor,
+        wkc: &Tensor,
+        k: &Tensor,
         extra: &Tensor,
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = self.0;
-        let tiles = d.tiles(grad.device());
-        let back = WalkBack { d, kk: kk.clone(), extra: extra.clone(), res: res.clone() };
+        let back = WalkBack { d, wkc: wkc.clone(), k: k.clone(), extra: extra.clone() };
         crate::profile::mark("backward: before the walk", grad.device());
         let out = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?;
         crate::profile::mark("backward: walk", grad.device());
-        let kkw = d.kk_width();
-        let lens = [d.u_len(), tiles * d.n * d.bh * d.c * kkw, tiles * d.n * d.bh * d.dk, d.state_len()];
-        let mut at = 0;
-        let mut parts = lens.iter().map(|&len| {
-            let p = out.narrow(0, at, len);
-            at += len;
-            p
-        });
-        let dw = parts.next().expect("four parts")?.reshape((d.n, d.bh, d.c, d.dv))?;
-        let dkk = parts.next().expect("four parts")?.reshape((tiles, d.n, d.bh, d.c, kkw))?.sum(0)?;
-        let da = parts.next().expect("four parts")?.reshape((tiles, d.n * d.bh * d.dk))?.sum(0)?;
-        let ds0 = parts.next().expect("four parts")?;
-        let extra = Tensor::cat(&[ds0, da], 0)?;
-        crate::profile::mark("backward: walk tiles summed", grad.device());
-        Ok((Some(dw), Some(dkk), Some(extra)))
+        let (n, bh, c, dk, dv) = (d.n, d.bh, d.c, d.dk, d.dv);
+        let du = out.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
+        let g = out.narrow(0, d.u_len(), n * d.state_len())?.reshape((n, bh, dk, dv))?;
+        let ds0 = out.narrow(0, d.u_len() + n * d.state_len(), d.state_len())?;
+        let u = res.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
+        let s = res.narrow(0, d.u_len(), n * d.state_len())?.reshape((n, bh, dk, dv))?;
+        let e = extra.narrow(0, d.state_len() + d.decays_len(), n * bh * c)?.reshape((n, bh, c, 1))?;
+        // The column sums, batched over every chunk.
+        let dkend = u.matmul(&g.t()?)?; // [N,BH,C,dk]
+        let dk_in = dkend.broadcast_mul(&e)?;
+        let de = (&dkend * k)?.sum(3)?;
+        let da = (&s * &g)?.sum(3)?;
+        let dwkc = match d.delta {
+            true => Tensor::cat(&[du.flatten_all()?, du.matmul(&s.t()?)?.neg()?.flatten_all()?], 0)?,
+            false => du.flatten_all()?,
+        };
+        let dextra = Tensor::cat(&[ds0, da.flatten_all()?, de.flatten_all()?], 0)?;
+        crate::profile::mark("backward: walk sums", grad.device());
+        Ok((Some(dwkc), Some(dk_in), Some(dextra)))
     }
 }
 
-/// The walk's backward: from the gradient of its output (U then states), the gradients of W,
-/// of the packed keys and of a (both per column tile), and of s0, flat in that order.
+/// The walk's backward, its sequential part: from the gradient of its output (U then states),
+/// dW (= dU), the gradient G_{i+1} reaching each chunk's end state, and ds0, flat in that order.
 struct WalkBack {
     d: WalkDims,
-    kk: Tensor,
+    wkc: Tensor,
+    k: Tensor,
     extra: Tensor,
-    res: Tensor,
 }
 
 impl CustomOp1 for WalkBack {
@@ -238,49 +258,34 @@ impl CustomOp1 for WalkBack {
     fn cpu_fwd(&self, grad: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = self.d;
         let grad = slice(grad, gl, "chunk walk backward")?;
-        let (kk, extra, res) = (cpu_f32(&self.kk)?, cpu_f32(&self.extra)?, cpu_f32(&self.res)?);
-        let a = &extra[d.state_len()..];
-        let (us, states) = res.split_at(d.u_len());
+        let (wkc, k, extra) = (cpu_f32(&self.wkc)?, cpu_f32(&self.k)?, cpu_f32(&self.extra)?);
+        let kc = &wkc[d.u_len()..];
+        let rest = &extra[d.state_len()..];
+        let (a, e) = rest.split_at(d.decays_len());
         let (gu, gs) = grad.split_at(d.u_len());
         let (kkw, off) = (d.kk_width(), d.kend_offset());
-        let (cd, kd, ck) = (d.c * d.dv, d.dk * d.dv, d.c * kkw);
-        // Per head: dW, dKK and da chunk by chunk (last chunk first), and ds0.
-        type Head = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>);
+        let (cd, kd) = (d.c * d.dv, d.dk * d.dv);
+        // Per head: dU and G_{i+1} chunk by chunk (last chunk first), and ds0.
+        type Head = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<f32>);
         let heads: Vec<Head> = (0..d.bh)
             .into_par_iter()
             .map(|h| {
                 let mut g = gs[(d.n * d.bh + h) * kd..][..kd].to_vec();
-                let (mut dws, mut dkks, mut das) = (vec![], vec![], vec![]);
+                let (mut dus, mut gends) = (vec![], vec![]);
                 for i in (0..d.n).rev() {
                     let blk = i * d.bh + h;
-                    let (ki, ai) = (&kk[blk * ck..][..ck], &a[blk * d.dk..][..d.dk]);
-                    let (ui, si) = (&us[blk * cd..][..cd], &states[blk * kd..][..kd]);
+                    let ki = staged(&d, blk, kc, &k, e);
+                    let ai = &a[blk * d.dk..][..d.dk];
                     let mut du = gu[blk * cd..][..cd].to_vec();
-                    let mut dkk = vec![0f32; ck];
-                    let mut da = vec![0f32; d.dk];
                     for t in 0..d.c {
                         for r in 0..d.dk {
                             let ke = ki[t * kkw + off + r];
-                            let (gr, ur) = (&g[r * d.dv..][..d.dv], &ui[t * d.dv..][..d.dv]);
-                            let mut acc = 0f32;
                             for j in 0..d.dv {
-                                du[t * d.dv + j] += ke * gr[j];
-                                acc += ur[j] * gr[j];
-                            }
-                            dkk[t * kkw + off + r] = acc;
-                        }
-                    }
-                    for r in 0..d.dk {
-                        da[r] = (0..d.dv).map(|j| si[r * d.dv + j] * g[r * d.dv + j]).sum();
-                    }
-                    if d.delta {
-                        for t in 0..d.c {
-                            for r in 0..d.dk {
-                                let sr = &si[r * d.dv..][..d.dv];
-                                dkk[t * kkw + r] = -(0..d.dv).map(|j| du[t * d.dv + j] * sr[j]).sum::<f32>();
+                                du[t * d.dv + j] += ke * g[r * d.dv + j];
                             }
                         }
                     }
+                    gends.push(g.clone());
                     let gsi = &gs[blk * kd..][..kd];
                     for r in 0..d.dk {
                         for j in 0..d.dv {
@@ -295,24 +300,21 @@ impl CustomOp1 for WalkBack {
                             }
                         }
                     }
-                    dws.push(du);
-                    dkks.push(dkk);
-                    das.push(da);
+                    dus.push(du);
                 }
-                (dws, dkks, das, g)
+                (dus, gends, g)
             })
             .collect();
-        let (lw, lk, la) = (d.u_len(), d.n * d.bh * ck, d.n * d.bh * d.dk);
-        let mut out = vec![0f32; lw + lk + la + d.state_len()];
-        for (h, (dws, dkks, das, g)) in heads.into_iter().enumerate() {
+        let (lu, lg) = (d.u_len(), d.n * d.state_len());
+        let mut out = vec![0f32; lu + lg + d.state_len()];
+        for (h, (dus, gends, g)) in heads.into_iter().enumerate() {
             // Chunks came last first.
-            for (back, ((dw, dkk), da)) in dws.iter().zip(&dkks).zip(&das).enumerate() {
+            for (back, (du, gend)) in dus.iter().zip(&gends).enumerate() {
                 let blk = (d.n - 1 - back) * d.bh + h;
-                out[blk * cd..][..cd].copy_from_slice(dw);
-                out[lw + blk * ck..][..ck].copy_from_slice(dkk);
-                out[lw + lk + blk * d.dk..][..d.dk].copy_from_slice(da);
+                out[blk * cd..][..cd].copy_from_slice(du);
+                out[lu + blk * kd..][..kd].copy_from_slice(gend);
             }
-            out[lw + lk + la + h * kd..][..kd].copy_from_slice(&g);
+            out[lu + lg + h * kd..][..kd].copy_from_slice(&g);
         }
         let n = out.len();
         Ok((CpuStorage::F32(out), Shape::from(n)))
@@ -320,14 +322,14 @@ impl CustomOp1 for WalkBack {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, grad: &candle_core::CudaStorage, gl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (kk, extra, res) =
-            (self.kk.storage_and_layout(), self.extra.storage_and_layout(), self.res.storage_and_layout());
+        let (wkc, k, extra) =
+            (self.wkc.storage_and_layout(), self.k.storage_and_layout(), self.extra.storage_and_layout());
         super::cuda::chunk_walk_back(
             &self.d,
             (grad, gl),
-            super::cuda::on_gpu(&kk.0, kk.1, "chunk walk")?,
+            super::cuda::on_gpu(&wkc.0, wkc.1, "chunk walk")?,
+            super::cuda::on_gpu(&k.0, k.1, "chunk walk")?,
             super::cuda::on_gpu(&extra.0, extra.1, "chunk walk")?,
-            super::cuda::on_gpu(&res.0, res.1, "chunk walk")?,
         )
     }
 }
@@ -370,9 +372,10 @@ mod tests {
                 let r = |shape: &[usize], s: f64| {
                     Var::from_tensor(&(Tensor::randn(0f32, 1.0, shape, &dev).unwrap() * s).unwrap()).unwrap()
                 };
-                let (w, kc, kend, s0) =
+                let (w, kc, k, s0) =
                     (r(&[n, bh, c, dv], 1.0), r(&[n, bh, c, dk], 0.3), r(&[n, bh, c, dk], 0.3), r(&[bh, dk, dv], 1.0));
                 let a = Var::from_tensor(&Tensor::rand(0.5f32, 1.0, (n, bh, dk), &dev).unwrap()).unwrap();
+                let e = Var::from_tensor(&Tensor::rand(0.5f32, 1.5, (n, bh, c), &dev).unwrap()).unwrap();
                 let kc_t = delta.then(|| kc.as_tensor());
                 let (gu, gs) = (
                     Tensor::randn(0f32, 1.0, (n, bh, c, dv), &dev).unwrap(),
@@ -380,14 +383,24 @@ mod tests {
                 );
                 let run = |fast: bool| {
                     let (u, s) = if fast {
-                        walk(w.as_tensor(), kc_t, kend.as_tensor(), s0.as_tensor(), a.as_tensor()).unwrap()
+                        let wkc = pack(w.as_tensor(), kc_t).unwrap();
+                        let x = WalkIn {
+                            wkc: &wkc,
+                            delta,
+                            k: k.as_tensor(),
+                            e: e.as_tensor(),
+                            s0: s0.as_tensor(),
+                            a: a.as_tensor(),
+                        };
+                        walk(&x).unwrap()
                     } else {
-                        composed(w.as_tensor(), kc_t, kend.as_tensor(), s0.as_tensor(), a.as_tensor())
+                        let kend = k.as_tensor().broadcast_mul(&e.as_tensor().unsqueeze(3).unwrap()).unwrap();
+                        composed(w.as_tensor(), kc_t, &kend, s0.as_tensor(), a.as_tensor())
                     };
                     let loss =
                         ((&u * &gu).unwrap().sum_all().unwrap() + (&s * &gs).unwrap().sum_all().unwrap()).unwrap();
                     let grads = loss.backward().unwrap();
-                    let mut vars = vec![&w, &kend, &s0, &a];
+                    let mut vars = vec![&w, &k, &e, &s0, &a];
                     if delta {
                         vars.push(&kc);
                     }
@@ -397,7 +410,7 @@ mod tests {
                 let ((u1, s1, g1), (u2, s2, g2)) = (run(true), run(false));
                 let what = format!("n {n} bh {bh} c {c} dk {dk} dv {dv} delta {delta}");
                 assert!(rel(&u1, &u2) < 1e-5 && rel(&s1, &s2) < 1e-5, "{what}: outputs");
-                for (name, (a, b)) in ["w", "kend", "s0", "a", "kc"].iter().zip(g1.iter().zip(&g2)) {
+                for (name, (a, b)) in ["w", "k", "e", "s0", "a", "kc"].iter().zip(g1.iter().zip(&g2)) {
                     assert!(rel(a, b) < 1e-5, "{what}: d{name} differs by {}", rel(a, b));
                 }
             }

@@ -20,6 +20,8 @@
 //!   O = Q̂ S₀ + (Q̂ K̃ᵀ ∘ causal) U,   S_C = diag(e^{Γ_C}) S₀ + (K ∘ e^{Γ_C − Γ})ᵀ U
 //! in float64 over short chunks, so that e^−Γ stays finite.
 
+use super::chunk_layout::{from_chunks, to_chunks, to_chunks_pair};
+use super::chunk_walk::WalkIn;
 use super::recurrence::{Recurrence, Rule};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -156,38 +158,39 @@ fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
     let n = t.div_ceil(c);
     let mark = |stage| crate::profile::mark(stage, rec.q.device());
     mark("chunked: before");
-    // Queries and keys in one layout pass; the queries' scale is applied inside the outputs op.
-    let qk = chunks(&Tensor::cat(&[rec.q, rec.k], 3)?, c)?; // [N,BH,C,2dk]
-    let k = qk.narrow(3, dk, dk)?;
-    let v = chunks(rec.v, c)?;
+    // Queries and keys side by side for the outputs op (which applies the queries' scale), the
+    // keys alone for the solve and the walk.
+    let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
+    let k = to_chunks(rec.k, c)?;
+    let v = to_chunks(rec.v, c)?;
     let scalar = |x: &Tensor| chunks(&x.unsqueeze(3)?, c)?.squeeze(3); // [N,BH,C]
     let beta = scalar(rec.beta)?;
     let gamma = rec.g.map(|g| scalar(g)?.cumsum(2)).transpose()?;
     mark("chunked: inputs to chunks");
-    let (w, kc) = match rec.rule {
-        Rule::Plain => (v.broadcast_mul(&beta.unsqueeze(3)?)?, None),
-        Rule::Delta => {
-            let (w, kc) = super::chunk_intra::solve(&k, &v, &beta, gamma.as_ref())?;
-            (w, Some(kc))
-        }
+    // W | Kc as the solve returns them, flat: the walk reads them there.
+    let wkc = match rec.rule {
+        Rule::Plain => v.broadcast_mul(&beta.unsqueeze(3)?)?.flatten_all()?,
+        Rule::Delta => super::chunk_intra::solve_flat(&k, &v, &beta, gamma.as_ref())?,
     };
     mark("chunked: W and Kc");
-    let (kend, rows) = match &gamma {
+    // Kend = diag(e^{γ_C − γ}) K, and the state's rows decay by e^{γ_C} over a chunk.
+    let (e, rows) = match &gamma {
         Some(g) => {
             let last = g.narrow(2, c - 1, 1)?; // [N,BH,1]
-            let to_end = last.broadcast_sub(g)?.exp()?.unsqueeze(3)?;
-            (k.broadcast_mul(&to_end)?, last.exp()?.broadcast_as((n, b * h, dk))?)
+            (last.broadcast_sub(g)?.exp()?, last.exp()?.broadcast_as((n, b * h, dk))?)
         }
-        None => (k.clone(), Tensor::ones((n, b * h, dk), DType::F32, rec.q.device())?),
+        None => {
+            let ones = |shape: (usize, usize, usize)| Tensor::ones(shape, DType::F32, rec.q.device());
+            (ones((n, b * h, c))?, ones((n, b * h, dk))?)
+        }
     };
     let s0 = initial_state(rec, DType::F32)?;
-    let (walked, walk) = super::chunk_walk::walk_flat(&w, kc.as_ref(), &kend, &s0, &rows)?;
+    let x = WalkIn { wkc: &wkc, delta: rec.rule == Rule::Delta, k: &k, e: &e, s0: &s0, a: &rows };
+    let (walked, walk) = super::chunk_walk::walk_flat(&x)?;
     mark("chunked: walk");
     let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv)?;
     mark("chunked: outputs");
-    let o = o.reshape((n, b, h, c, dv))?.permute((1, 0, 3, 2, 4))?.reshape((b, n * c, h, dv))?;
-    let o = if n * c > t { o.narrow(1, 0, t)? } else { o };
-    let o = o.contiguous()?;
+    let o = from_chunks(&o, b, t, h, DType::F32)?;
     let state = super::chunk_walk::final_state(&walked, &walk)?;
     mark("chunked: output layout");
     Ok((o, state.reshape((b, h, dk, dv))?))
@@ -245,10 +248,14 @@ fn walked(
     qk: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
     let (b, t, h, dk) = rec.q.dims4()?;
-    let (n, _, c, dv) = w.dims4()?;
+    let dv = w.dim(3)?;
     let mark = |stage| crate::profile::mark(stage, w.device());
     mark("chunked: walk inputs");
-    let (u, states) = super::chunk_walk::walk(w, kc, kend, s0, rows)?;
+    let (n, bh, c, _) = kend.dims4()?;
+    let wkc = super::chunk_walk::pack(w, kc)?;
+    let ones = Tensor::ones((n, bh, c), DType::F32, w.device())?;
+    let x = WalkIn { wkc: &wkc, delta: kc.is_some(), k: kend, e: &ones, s0, a: rows };
+    let (u, states) = super::chunk_walk::walk(&x)?;
     mark("chunked: walk");
     let o = (q_decayed.matmul(&states.narrow(0, 0, n)?)? + qk.matmul(&u)?)?; // [N,BH,C,dv]
     mark("chunked: output products");

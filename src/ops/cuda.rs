@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{IntraDims, OutDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
+use super::launch::{ChunkLayout, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -511,10 +511,77 @@ fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
     Ok(())
 }
 
+/// A grid-strided elementwise launch over `total` elements, 256 threads a block.
+fn strided_config(total: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `to_chunks_*`: each model-layout input into its columns of one chunk-layout float32 buffer
+/// (see `ops::chunk_layout`); together the inputs cover every column.
+pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
+    let Some((first, (x0, _))) = parts.first() else { candle_core::bail!("to chunks: no input") };
+    let dev = x0.device().clone();
+    // SAFETY: the inputs' columns cover the width, and each launch writes all of its columns
+    // (zeros past T).
+    let out = unsafe { dev.alloc::<f32>(first.chunk_len())? };
+    for (l, x) in parts {
+        let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
+        let total = (l.n() * l.b * l.h * l.c * l.d) as i64;
+        macro_rules! launch {
+            ($ty:ty, $name:expr) => {{
+                let xv = view::<$ty>(*x, "to chunks")?;
+                let func = function(&dev, $name)?;
+                let stream = dev.cuda_stream();
+                let mut builder = stream.launch_builder(&func);
+                builder.arg(&xv).arg(&out);
+                for v in &ints {
+                    builder.arg(v);
+                }
+                builder.arg(&total);
+                // SAFETY: argument list matches `to_chunks_*` in kernels.cu; out sized by the layout.
+                unsafe { builder.launch(strided_config(total as usize)) }.w()?;
+            }};
+        }
+        per_dtype!(x.0.dtype(), "to_chunks", "to chunks", launch);
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `from_chunks_*`: columns off..off+d of a chunk-layout float32 tensor to the model layout in
+/// `dtype` (see `ops::chunk_layout`).
+pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorage> {
+    let dev = y.0.device().clone();
+    let yv = view::<f32>(y, "from chunks")?;
+    let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
+    let total = l.model_len() as i64;
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            // SAFETY: the kernel writes every model-layout element.
+            let out = unsafe { dev.alloc::<$ty>(l.model_len())? };
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&yv).arg(&out);
+            for v in &ints {
+                builder.arg(v);
+            }
+            builder.arg(&total);
+            // SAFETY: argument list matches `from_chunks_*` in kernels.cu.
+            unsafe { builder.launch(strided_config(l.model_len())) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(per_dtype!(dtype, "from_chunks", "from chunks", launch))
+}
+
 /// The launch grid of the chunk walk: column tiles x heads, 256 threads.
 fn walk_config(d: &WalkDims, smem: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (d.gpu_tiles() as u32, d.bh as u32, 1),
+        grid_dim: (d.dv.div_ceil(TILE) as u32, d.bh as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: smem as u32,
     }
@@ -523,26 +590,26 @@ fn walk_config(d: &WalkDims, smem: usize) -> LaunchConfig {
 type Input<'a> = (&'a CudaStorage, &'a Layout);
 
 /// `chunk_walk_fwd_f32`: U then every chunk-start state, flat (see `ops::chunk_walk`).
-pub fn chunk_walk(d: &WalkDims, w: Input, kk: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
+pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
     if d.dk > MAX_DK || d.c > 64 {
         candle_core::bail!("chunk walk: key width {} or chunk {} above the kernels' 256 and 64", d.dk, d.c);
     }
-    let dev = w.0.device().clone();
-    let (w, kk, extra) =
-        (view::<f32>(w, "chunk walk")?, view::<f32>(kk, "chunk walk")?, view::<f32>(extra, "chunk walk")?);
-    let state = d.bh * d.dk * d.dv;
-    let (s0, a) = (extra.slice(..state), extra.slice(state..));
+    let dev = wkc.0.device().clone();
+    let (wkc, k, extra) =
+        (view::<f32>(wkc, "chunk walk")?, view::<f32>(k, "chunk walk")?, view::<f32>(extra, "chunk walk")?);
+    let (w, kc) = (wkc.slice(..d.u_len()), wkc.slice(d.u_len()..));
+    let (s0, a, e) = walk_extra(d, &extra);
     // SAFETY: the kernel writes every U element and every state (S_0 included).
     let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
-    // The state's and U's column tiles, and one chunk's packed keys.
+    // The state's and U's column tiles, and one chunk's staged keys.
     let smem = ((d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_fwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&w).arg(&kk).arg(&s0).arg(&a).arg(&u_out).arg(&states);
+    builder.arg(&w).arg(&kc).arg(&k).arg(&e).arg(&s0).arg(&a).arg(&u_out).arg(&states);
     for v in &ints {
         builder.arg(v);
     }
@@ -552,37 +619,43 @@ pub fn chunk_walk(d: &WalkDims, w: Input, kk: Input, extra: Input) -> Result<(Cu
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 
-/// `chunk_walk_bwd_f32`: dW, the per-tile dKK and da, then ds0, flat (see `ops::chunk_walk`).
-pub fn chunk_walk_back(d: &WalkDims, grad: Input, kk: Input, extra: Input, res: Input) -> Result<(CudaStorage, Shape)> {
+/// The walk's extra input split into S₀, the per-row decays a and the per-token key scales e.
+fn walk_extra<'a>(
+    d: &WalkDims,
+    extra: &'a CudaView<'a, f32>,
+) -> (CudaView<'a, f32>, CudaView<'a, f32>, CudaView<'a, f32>) {
+    let (state, rows) = (d.state_len(), d.n * d.bh * d.dk);
+    (extra.slice(..state), extra.slice(state..state + rows), extra.slice(state + rows..))
+}
+
+/// `chunk_walk_bwd_f32`: dW, every chunk's end-state gradient, then ds0, flat (see
+/// `ops::chunk_walk`).
+pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk walk backward")?;
-    let (kk, extra, res) =
-        (view::<f32>(kk, "chunk walk")?, view::<f32>(extra, "chunk walk")?, view::<f32>(res, "chunk walk")?);
-    let state = d.bh * d.dk * d.dv;
-    let a = extra.slice(state..);
-    let (u, states) = (res.slice(..d.u_len()), res.slice(d.u_len()..));
+    let (wkc, k, extra) =
+        (view::<f32>(wkc, "chunk walk")?, view::<f32>(k, "chunk walk")?, view::<f32>(extra, "chunk walk")?);
+    let kc = wkc.slice(d.u_len()..);
+    let (_, a, e) = walk_extra(d, &extra);
     let (gu, gs) = (grad.slice(..d.u_len()), grad.slice(d.u_len()..));
-    let tiles = d.gpu_tiles();
-    let (lw, lk, la) = (d.u_len(), tiles * d.n * d.bh * d.c * d.kk_width(), tiles * d.n * d.bh * d.dk);
-    // SAFETY: the kernel writes all of dW, every tile's dKK (both halves under the delta rule)
-    // and da, and ds0.
-    let out = unsafe { dev.alloc::<f32>(lw + lk + la + state)? };
-    let (dw, dkk, da, ds0) =
-        (out.slice(..lw), out.slice(lw..lw + lk), out.slice(lw + lk..lw + lk + la), out.slice(lw + lk + la..));
-    // G's and the state's column tiles, U's and dU's, and one chunk's packed keys.
-    let smem = (2 * (d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
+    let (lu, lg) = (d.u_len(), d.n * d.state_len());
+    // SAFETY: the kernel writes all of dW, every chunk's end-state gradient and ds0.
+    let out = unsafe { dev.alloc::<f32>(lu + lg + d.state_len())? };
+    let (dw, gend, ds0) = (out.slice(..lu), out.slice(lu..lu + lg), out.slice(lu + lg..));
+    // G's and dU's column tiles, and one chunk's staged keys.
+    let smem = ((d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
     let func = function(&dev, "chunk_walk_bwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&kk).arg(&a).arg(&u).arg(&states).arg(&gu).arg(&gs).arg(&dw).arg(&dkk).arg(&da).arg(&ds0);
+    builder.arg(&kc).arg(&k).arg(&e).arg(&a).arg(&gu).arg(&gs).arg(&dw).arg(&gend).arg(&ds0);
     for v in &ints {
         builder.arg(v);
     }
     // SAFETY: argument list matches `chunk_walk_bwd_f32` in kernels.cu; buffers sized above.
     unsafe { builder.launch(walk_config(d, smem)) }.w()?;
-    let n = lw + lk + la + state;
+    let n = lu + lg + d.state_len();
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 

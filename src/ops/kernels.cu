@@ -660,21 +660,79 @@ ADD_RMS(add_rms_f32, float)
 ADD_RMS(add_rms_bf16, __nv_bfloat16)
 ADD_RMS(add_rms_f16, __half)
 
+// The chunked form's layout (src/ops/chunk_layout.rs): x [B, T, H, d] in T against y [N, B·H, c,
+// width] float32 at columns off..off+d, N = ⌈T / c⌉, zero past T. One thread per element of the
+// side being written, grid-strided; consecutive threads step along d, so both sides are read and
+// written in runs.
+template <typename T>
+__device__ void to_chunks(const T *x, float *y, int B, int Tn, int H, int d, int c, int width, int off,
+                          long long total) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int r = i % d;
+    long long rest = i / d;
+    const int tt = rest % c;
+    rest /= c;
+    const int bh = rest % (B * H);
+    const long long n = rest / (B * H);
+    const long long time = n * c + tt;
+    const int b = bh / H, h = bh % H;
+    y[((n * B * H + bh) * c + tt) * width + off + r] =
+        time < Tn ? to_f(x[(((long long)b * Tn + time) * H + h) * d + r]) : 0.0f;
+  }
+}
+
+template <typename T>
+__device__ void from_chunks(const float *y, T *x, int B, int Tn, int H, int d, int c, int width, int off,
+                            long long total) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int r = i % d;
+    long long rest = i / d;
+    const int h = rest % H;
+    rest /= H;
+    const long long time = rest % Tn;
+    const int b = rest / Tn;
+    const long long n = time / c;
+    x[i] = from_f<T>(y[((n * B * H + b * H + h) * c + time % c) * width + off + r]);
+  }
+}
+
+#define CHUNK_LAYOUT(SUFFIX, T)                                                                          \
+  extern "C" __global__ void to_chunks_##SUFFIX(const T *x, float *y, int B, int Tn, int H, int d, int c,  \
+                                                int width, int off, long long total) {                     \
+    to_chunks<T>(x, y, B, Tn, H, d, c, width, off, total);                                                 \
+  }                                                                                                        \
+  extern "C" __global__ void from_chunks_##SUFFIX(const float *y, T *x, int B, int Tn, int H, int d, int c, \
+                                                  int width, int off, long long total) {                   \
+    from_chunks<T>(y, x, B, Tn, H, d, c, width, off, total);                                               \
+  }
+CHUNK_LAYOUT(f32, float)
+CHUNK_LAYOUT(bf16, __nv_bfloat16)
+CHUNK_LAYOUT(f16, __half)
+
 // The walk over chunks of the chunked delta rule (src/ops/chunk_walk.rs has the math and the CPU
 // half). Grid (column tiles of WALK_TV state columns, B·H); 256 threads = WALK_TV columns x
-// WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] and of the chunk's
-// U [c, WALK_TV] in shared memory (row stride WALK_TV + 1), and stages each chunk's packed keys
-// kk [c, kkw] (Kc at column 0 under the delta rule, Kend at `koff`) there with coalesced loads:
-// in the products every thread of a warp then reads the same key element (a broadcast), and
-// each thread carries WALK_ACC independent sums so that the loads overlap.
+// WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] (the backward: of
+// G) and of the chunk's U [c, WALK_TV] (dU) in shared memory (row stride WALK_TV + 1), and stages
+// each chunk's keys KK [c, kkw] there with coalesced loads (Kc at column 0 under the delta rule,
+// Kend = diag(e) K at `koff`): in the products every thread of a warp then reads the same key
+// element (a broadcast), and each thread carries WALK_ACC independent sums so that the loads
+// overlap.
 #define WALK_TV 32
 #define WALK_RG 8
 #define WALK_ACC 8
 
-// kk's chunk `blk` into shared memory KK [c, kkw].
-__device__ __forceinline__ void walk_stage(const float *kk, float *KK, long long blk, int c, int kkw) {
-  const float *src = kk + blk * c * kkw;
-  for (int e = threadIdx.x; e < c * kkw; e += blockDim.x) KK[e] = src[e];
+// Chunk `blk`'s keys into shared memory KK [c, kkw]: Kc (delta rule) and Kend = e_t k_t.
+__device__ __forceinline__ void walk_stage(const float *kc, const float *k, const float *e, float *KK, long long blk,
+                                           int c, int dk, int delta) {
+  const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
+  const float *kcs = kc + blk * c * dk, *ks = k + blk * c * dk, *es = e + blk * c;
+  for (int i = threadIdx.x; i < c * dk; i += blockDim.x) {
+    const int t = i / dk, r = i % dk;
+    if (delta) KK[t * kkw + r] = kcs[i];
+    KK[t * kkw + koff + r] = es[t] * ks[i];
+  }
 }
 
 // out[x] (x = row0 + WALK_RG i for i < WALK_ACC and x < rows) = init(x) + sign Σ_y A[x, y] B[y]
@@ -704,9 +762,11 @@ __device__ __forceinline__ void walk_rows(float *out, int ostride, int rows, int
   }
 }
 
+// w [N,BH,c,dv], kc and k [N,BH,c,dk] (kc read only under the delta rule), e [N,BH,c], s0
+// [BH,dk,dv], a [N,BH,dk]; U [N,BH,c,dv] and the states [N+1,BH,dk,dv] out.
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_walk_fwd_f32(const float *w, const float *kk, const float *s0, const float *a, float *u_out,
-                       float *states, int n, int bh, int c, int dk, int dv, int delta) {
+    chunk_walk_fwd_f32(const float *w, const float *kc, const float *k, const float *e, const float *s0,
+                       const float *a, float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
   const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
@@ -717,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? s0[((long long)h * dk + r) * dv + col] : 0.0f;
   for (int i = 0; i < n; ++i) {
     const long long blk = (long long)i * bh + h;
-    walk_stage(kk, KK, blk, c, kkw);
+    walk_stage(kc, k, e, KK, blk, c, dk, delta);
     __syncthreads();
     if (ok)
       for (int r = ty; r < dk; r += WALK_RG) states[(blk * dk + r) * dv + col] = S[r * P + tx];
@@ -739,56 +799,35 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int r = ty; r < dk; r += WALK_RG) states[(((long long)n * bh + h) * dk + r) * dv + col] = S[r * P + tx];
 }
 
-// Its backward: the chunks in reverse, G (the gradient reaching S_{i+1}) in shared memory beside
-// S_i, U_i, dU_i and the chunk's keys. dW is written per column; dKc, dKend and da sum over
-// columns, so each block writes its tile's part of them (dkk [tiles, N, BH, c, kkw], da
-// [tiles, N, BH, dk]) and the caller adds the tiles. Columns past dv hold zeros throughout, so
-// they add nothing.
+// Its backward's sequential part: the chunks in reverse with G (the gradient reaching S_{i+1})
+// in shared memory beside dU_i and the chunk's keys. Writes dW = dU, every chunk's G_{i+1}
+// (gend [N,BH,dk,dv]: the caller forms the terms that sum over columns from it in batched
+// products) and ds0. Columns past dv hold zeros throughout.
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_walk_bwd_f32(const float *kk, const float *a, const float *u, const float *states, const float *gu,
-                       const float *gs, float *dw, float *dkk, float *da, float *ds0, int n, int bh, int c, int dk,
-                       int dv, int delta) {
+    chunk_walk_bwd_f32(const float *kc, const float *k, const float *e, const float *a, const float *gu,
+                       const float *gs, float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv,
+                       int delta) {
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
   const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
-  float *G = wsm, *S = G + dk * P, *U = S + dk * P, *dU = U + c * P, *KK = dU + c * P;
+  float *G = wsm, *dU = G + dk * P, *KK = dU + c * P;
   const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
-  const int h = blockIdx.y, tile = blockIdx.x, col = tile * WALK_TV + tx;
+  const int h = blockIdx.y, col = blockIdx.x * WALK_TV + tx;
   const bool ok = col < dv;
-  const long long part = (long long)tile * n * bh;
   for (int r = ty; r < dk; r += WALK_RG)
     G[r * P + tx] = ok ? gs[(((long long)n * bh + h) * dk + r) * dv + col] : 0.0f;
   for (int i = n - 1; i >= 0; --i) {
     const long long blk = (long long)i * bh + h;
-    walk_stage(kk, KK, blk, c, kkw);
-    for (int r = ty; r < dk; r += WALK_RG) S[r * P + tx] = ok ? states[(blk * dk + r) * dv + col] : 0.0f;
-    for (int t = ty; t < c; t += WALK_RG) U[t * P + tx] = ok ? u[(blk * c + t) * dv + col] : 0.0f;
+    walk_stage(kc, k, e, KK, blk, c, dk, delta);
     __syncthreads();
     // dU = gU + Kend G
     const float *gui = gu + blk * c * dv;
     walk_rows(dU, P, c, ty, KK + koff, kkw, 1, dk, G, tx, 1.0f, [&](int t) { return ok ? gui[t * dv + col] : 0.0f; });
+    if (ok)
+      for (int r = ty; r < dk; r += WALK_RG) gend[(blk * dk + r) * dv + col] = G[r * P + tx];
     __syncthreads();
     if (ok)
       for (int t = ty; t < c; t += WALK_RG) dw[(blk * c + t) * dv + col] = dU[t * P + tx];
-    // This tile's dKend = U Gᵀ, dKc = −dU Sᵀ and da = rowsum(S ∘ G).
-    for (int e = threadIdx.x; e < c * dk; e += blockDim.x) {
-      const int t = e / dk, r = e % dk;
-      float ke = 0.0f, kc = 0.0f;
-#pragma unroll 8
-      for (int j = 0; j < WALK_TV; ++j) {
-        ke += U[t * P + j] * G[r * P + j];
-        kc -= dU[t * P + j] * S[r * P + j];
-      }
-      float *dst = dkk + ((part + blk) * c + t) * kkw;
-      dst[koff + r] = ke;
-      if (delta) dst[r] = kc;
-    }
-    for (int r = threadIdx.x; r < dk; r += blockDim.x) {
-      float x = 0.0f;
-      for (int j = 0; j < WALK_TV; ++j) x += S[r * P + j] * G[r * P + j];
-      da[(part + blk) * dk + r] = x;
-    }
-    __syncthreads();
     // G ← diag(a) G − Kcᵀ dU + gS_i (each thread reads and writes only its own rows of G)
     const float *ai = a + blk * dk;
     const float *gsi = gs + blk * dk * dv;

@@ -25,6 +25,7 @@ pub struct QkvPrep {
 }
 
 /// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
+#[cfg(feature = "cuda")]
 pub(crate) const TILE: usize = 32;
 /// The widest key the GPU kernels take: a block holds its tile of the state and of G in shared
 /// memory.
@@ -61,4 +62,31 @@ pub(crate) struct OutDims {
     pub dk: usize,
     pub dv: usize,
     pub scale: f32,
+}
+
+/// Where a model-layout tensor [B,T,H,d] sits in a chunk-layout one [N,B·H,C,width] (N = ⌈T/C⌉,
+/// T zero-padded): at columns off..off+d.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ChunkLayout {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub c: usize,
+    pub d: usize,
+    pub width: usize,
+    pub off: usize,
+}
+
+impl ChunkLayout {
+    pub fn n(&self) -> usize {
+        self.t.div_ceil(self.c)
+    }
+    /// Elements of the chunk-layout tensor.
+    pub fn chunk_len(&self) -> usize {
+        self.n() * self.b * self.h * self.c * self.width
+    }
+    /// Elements of the model-layout tensor.
+    pub fn model_len(&self) -> usize {
+        self.b * self.t * self.h * self.d
+    }
 }

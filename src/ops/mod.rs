@@ -1,6 +1,7 @@
 //! Math shared by every architecture adapter: written once, reused.
 
 mod chunk_intra;
+mod chunk_layout;
 mod chunk_out;
 mod chunk_walk;
 pub mod chunked;
