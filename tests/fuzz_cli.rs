@@ -13,6 +13,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::Value;
 use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 const SUBCOMMANDS: [&str; 5] = ["eval", "inspect", "calibrate", "prune", "bench"];
@@ -777,7 +778,8 @@ fn outputs_near_the_input_never_touch_it() {
 }
 
 /// SIGINT or SIGTERM at a random moment of prune, calibrate and sweep: each run ends with 130 or
-/// 143 (or 0, done first), no staging is left, and running the command again (calibrate with
+/// 143 (or 0, done first; or by the signal itself when it lands before the handler is in place),
+/// no staging is left, and running the command again (calibrate with
 /// --resume) gives the uninterrupted result.
 #[test]
 fn signals_leave_no_staging_and_resume_matches() {
@@ -824,7 +826,11 @@ fn signals_leave_no_staging_and_resume_matches() {
                 let code = done.status.code();
                 let stderr = String::from_utf8_lossy(&done.stderr).into_owned();
                 let ctx = || format!("{} after {delay_ms} ms, exit {code:?}:\n{stderr}", strs(&args));
-                prop_assert!(code == Some(0) || code == Some(128 + sig), "{}", ctx());
+                // A signal that lands before the process has installed its handler (right after
+                // the spawn) ends it by the signal's default action, before it has opened a file:
+                // the checks below still hold for it.
+                let early = code.is_none() && done.status.signal() == Some(sig) && delay_ms < 50;
+                prop_assert!(code == Some(0) || code == Some(128 + sig) || early, "{}", ctx());
                 interrupted.set(interrupted.get() + usize::from(code != Some(0)));
                 let left: Vec<PathBuf> = snapshot(case.path())
                     .into_keys()

@@ -603,7 +603,7 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's staged keys.
-    let smem = ((d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
+    let smem = walk_smem(d);
     let func = function(&dev, "chunk_walk_fwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
@@ -617,6 +617,12 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     unsafe { builder.launch(walk_config(d, smem)) }.w()?;
     let n = d.u_len() + d.states_len();
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}
+
+/// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
+/// staged keys from a 16-byte boundary.
+fn walk_smem(d: &WalkDims) -> usize {
+    (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
 }
 
 /// The walk's extra input split into S₀, the per-row decays a and the per-token key scales e.
@@ -643,7 +649,7 @@ pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: I
     let out = unsafe { dev.alloc::<f32>(lu + lg + d.state_len())? };
     let (dw, gend, ds0) = (out.slice(..lu), out.slice(lu..lu + lg), out.slice(lu + lg..));
     // G's and dU's column tiles, and one chunk's staged keys.
-    let smem = ((d.dk + d.c) * (TILE + 1) + d.c * d.kk_width()) * 4;
+    let smem = walk_smem(d);
     let func = function(&dev, "chunk_walk_bwd_f32")?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);

@@ -762,6 +762,92 @@ __device__ __forceinline__ void walk_rows(float *out, int ostride, int rows, int
   }
 }
 
+// walk_rows with A read along y in rows of stride xs (A[x xs + y]), four y at a time as one float4
+// per row: a quarter of the shared-memory reads of A. Needs ny % 4 == 0, xs % 4 == 0 and A
+// 16-byte aligned. The sums run in the same order as walk_rows'.
+template <typename Init>
+__device__ __forceinline__ void walk_rows_y4(float *out, int ostride, int rows, int row0, const float *A, int xs,
+                                             int ny, const float *Bm, int tx, float sign, Init init) {
+  const int P = WALK_TV + 1;
+  for (int base = row0; base < rows; base += WALK_RG * WALK_ACC) {
+    float acc[WALK_ACC];
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) acc[i] = 0.0f;
+    for (int y = 0; y < ny; y += 4) {
+      const float b0 = Bm[y * P + tx], b1 = Bm[(y + 1) * P + tx], b2 = Bm[(y + 2) * P + tx],
+                  b3 = Bm[(y + 3) * P + tx];
+#pragma unroll
+      for (int i = 0; i < WALK_ACC; ++i) {
+        const int x = base + WALK_RG * i;
+        if (x < rows) {
+          const float4 a = *reinterpret_cast<const float4 *>(A + x * xs + y);
+          acc[i] = fmaf(a.w, b3, fmaf(a.z, b2, fmaf(a.y, b1, fmaf(a.x, b0, acc[i]))));
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) {
+      const int x = base + WALK_RG * i;
+      if (x < rows) out[x * ostride + tx] = init(x) + sign * acc[i];
+    }
+  }
+}
+
+// walk_rows with A read along x (A[x + y ys]) and the thread owning WALK_ACC consecutive rows
+// (WALK_ACC row0 + WALK_RG WALK_ACC j + i) instead of rows WALK_RG apart: its rows of A are two
+// float4 per y. Needs rows % WALK_ACC == 0, ys % 4 == 0 and A 16-byte aligned.
+template <typename Init>
+__device__ __forceinline__ void walk_rows_x8(float *out, int ostride, int rows, int row0, const float *A, int ys,
+                                             int ny, const float *Bm, int tx, float sign, Init init) {
+  const int P = WALK_TV + 1;
+  for (int base = WALK_ACC * row0; base < rows; base += WALK_RG * WALK_ACC) {
+    float acc[WALK_ACC];
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) acc[i] = 0.0f;
+    for (int y = 0; y < ny; ++y) {
+      const float b = Bm[y * P + tx];
+      const float4 a0 = *reinterpret_cast<const float4 *>(A + base + y * ys);
+      const float4 a1 = *reinterpret_cast<const float4 *>(A + base + 4 + y * ys);
+      acc[0] = fmaf(a0.x, b, acc[0]);
+      acc[1] = fmaf(a0.y, b, acc[1]);
+      acc[2] = fmaf(a0.z, b, acc[2]);
+      acc[3] = fmaf(a0.w, b, acc[3]);
+      acc[4] = fmaf(a1.x, b, acc[4]);
+      acc[5] = fmaf(a1.y, b, acc[5]);
+      acc[6] = fmaf(a1.z, b, acc[6]);
+      acc[7] = fmaf(a1.w, b, acc[7]);
+    }
+#pragma unroll
+    for (int i = 0; i < WALK_ACC; ++i) out[(base + i) * ostride + tx] = init(base + i) + sign * acc[i];
+  }
+}
+
+// The walk's two kinds of product over a chunk's staged keys KK [c, kkw]: by rows of the keys
+// (A[x kkw + y], x a token) and by their columns (A[x + y kkw], x a key channel). Vectorised
+// when the key width is a multiple of 8 (every model's), which also makes KK's rows and column
+// offsets 16-byte aligned; the scalar form otherwise.
+template <typename Init>
+__device__ __forceinline__ void walk_by_rows(bool vec, float *out, int rows, int row0, const float *A, int kkw,
+                                             int ny, const float *Bm, int tx, float sign, Init init) {
+  if (vec)
+    walk_rows_y4(out, WALK_TV + 1, rows, row0, A, kkw, ny, Bm, tx, sign, init);
+  else
+    walk_rows(out, WALK_TV + 1, rows, row0, A, kkw, 1, ny, Bm, tx, sign, init);
+}
+
+template <typename Init>
+__device__ __forceinline__ void walk_by_cols(bool vec, float *out, int rows, int row0, const float *A, int kkw,
+                                             int ny, const float *Bm, int tx, float sign, Init init) {
+  if (vec)
+    walk_rows_x8(out, WALK_TV + 1, rows, row0, A, kkw, ny, Bm, tx, sign, init);
+  else
+    walk_rows(out, WALK_TV + 1, rows, row0, A, 1, kkw, ny, Bm, tx, sign, init);
+}
+
+// Where the staged keys start in a walk kernel's shared memory: after `floats` floats, rounded
+// up to a 16-byte boundary (src/ops/cuda.rs sizes the shared memory the same way).
+__device__ __forceinline__ float *walk_keys(float *smem, int floats) { return smem + (floats + 3) / 4 * 4; }
+
 // w [N,BH,c,dv], kc and k [N,BH,c,dk] (kc read only under the delta rule), e [N,BH,c], s0
 // [BH,dk,dv], a [N,BH,dk]; U [N,BH,c,dv] and the states [N+1,BH,dk,dv] out.
 extern "C" __global__ void __launch_bounds__(256)
@@ -770,7 +856,8 @@ extern "C" __global__ void __launch_bounds__(256)
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
   const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
-  float *S = wsm, *U = S + dk * P, *KK = U + c * P;
+  float *S = wsm, *U = S + dk * P, *KK = walk_keys(wsm, (dk + c) * P);
+  const bool vec = dk % 8 == 0;
   const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
   const int h = blockIdx.y, col = blockIdx.x * WALK_TV + tx;
   const bool ok = col < dv;
@@ -784,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(256)
     // U = W − Kc S
     const float *wi = w + blk * c * dv;
     if (delta)
-      walk_rows(U, P, c, ty, KK, kkw, 1, dk, S, tx, -1.0f, [&](int t) { return ok ? wi[t * dv + col] : 0.0f; });
+      walk_by_rows(vec, U, c, ty, KK, kkw, dk, S, tx, -1.0f, [&](int t) { return ok ? wi[t * dv + col] : 0.0f; });
     else
       for (int t = ty; t < c; t += WALK_RG) U[t * P + tx] = ok ? wi[t * dv + col] : 0.0f;
     __syncthreads();
@@ -792,7 +879,7 @@ extern "C" __global__ void __launch_bounds__(256)
       for (int t = ty; t < c; t += WALK_RG) u_out[(blk * c + t) * dv + col] = U[t * P + tx];
     // S ← diag(a) S + Kendᵀ U (each thread reads and writes only its own rows of S)
     const float *ai = a + blk * dk;
-    walk_rows(S, P, dk, ty, KK + koff, 1, kkw, c, U, tx, 1.0f, [&](int r) { return ai[r] * S[r * P + tx]; });
+    walk_by_cols(vec, S, dk, ty, KK + koff, kkw, c, U, tx, 1.0f, [&](int r) { return ai[r] * S[r * P + tx]; });
     __syncthreads();
   }
   if (ok)
@@ -810,7 +897,8 @@ extern "C" __global__ void __launch_bounds__(256)
   extern __shared__ float wsm[];
   const int P = WALK_TV + 1;
   const int kkw = delta ? 2 * dk : dk, koff = delta ? dk : 0;
-  float *G = wsm, *dU = G + dk * P, *KK = dU + c * P;
+  float *G = wsm, *dU = G + dk * P, *KK = walk_keys(wsm, (dk + c) * P);
+  const bool vec = dk % 8 == 0;
   const int tx = threadIdx.x % WALK_TV, ty = threadIdx.x / WALK_TV;
   const int h = blockIdx.y, col = blockIdx.x * WALK_TV + tx;
   const bool ok = col < dv;
@@ -822,7 +910,8 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     // dU = gU + Kend G
     const float *gui = gu + blk * c * dv;
-    walk_rows(dU, P, c, ty, KK + koff, kkw, 1, dk, G, tx, 1.0f, [&](int t) { return ok ? gui[t * dv + col] : 0.0f; });
+    walk_by_rows(vec, dU, c, ty, KK + koff, kkw, dk, G, tx, 1.0f,
+                 [&](int t) { return ok ? gui[t * dv + col] : 0.0f; });
     if (ok)
       for (int r = ty; r < dk; r += WALK_RG) gend[(blk * dk + r) * dv + col] = G[r * P + tx];
     __syncthreads();
@@ -833,7 +922,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const float *gsi = gs + blk * dk * dv;
     auto keep = [&](int r) { return ai[r] * G[r * P + tx] + (ok ? gsi[r * dv + col] : 0.0f); };
     if (delta)
-      walk_rows(G, P, dk, ty, KK, 1, kkw, c, dU, tx, -1.0f, keep);
+      walk_by_cols(vec, G, dk, ty, KK, kkw, c, dU, tx, -1.0f, keep);
     else
       for (int r = ty; r < dk; r += WALK_RG) G[r * P + tx] = keep(r);
     __syncthreads();
