@@ -70,7 +70,6 @@ fn scatter(l: &ChunkLayout, x: &[f32], out: &mut [f32]) {
     }
 }
 
-#[derive(Clone, Copy)]
 struct ToChunks(ChunkLayout);
 
 impl CustomOp1 for ToChunks {

@@ -51,8 +51,8 @@ impl WalkDims {
     pub fn state_len(&self) -> usize {
         self.bh * self.dk * self.dv
     }
-    /// Per-row decays a, then per-token key scales e, after S₀ in the extra input.
-    fn decays_len(&self) -> usize {
+    /// Length of the per-row decays a in the extra input (after S₀, before the key scales e).
+    pub fn decays_len(&self) -> usize {
         self.n * self.bh * self.dk
     }
 }

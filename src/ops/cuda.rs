@@ -630,7 +630,7 @@ fn walk_extra<'a>(
     d: &WalkDims,
     extra: &'a CudaView<'a, f32>,
 ) -> (CudaView<'a, f32>, CudaView<'a, f32>, CudaView<'a, f32>) {
-    let (state, rows) = (d.state_len(), d.n * d.bh * d.dk);
+    let (state, rows) = (d.state_len(), d.decays_len());
     (extra.slice(..state), extra.slice(state..state + rows), extra.slice(state + rows..))
 }
 
