@@ -601,6 +601,90 @@ fn prefill_kernels_match_cpu() {
     eprintln!("prefill kernels match their cpu halves");
 }
 
+/// The short conv and the RMS norms with gradients (statecut's ops with their own backward on
+/// the GPU) against the CPU's candle ops: outputs and the gradients of the input, the gate, the
+/// weights and the bias, over more than one block of channels and of steps, the conv's input
+/// read as a column slice. In bf16 the GPU runs in bf16 and the CPU in float32 over the same
+/// rounded values (candle's bf16 ops on the CPU would also sum in bf16).
+#[test]
+fn conv_and_norm_gradients_match_cpu() {
+    use candle_core::Var;
+    use statecut::ops::conv::ShortConv;
+    use statecut::ops::norm::{NormWeight, RmsNorm};
+    type Model<'a> = &'a dyn Fn(&[Tensor], DType) -> Tensor;
+    let (cpu, gpu) = (Device::Cpu, gpu());
+    let rand = |shape: &[usize], seed: u64| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0).collect();
+        Tensor::from_vec(v, shape, &cpu).unwrap()
+    };
+    // f's output and the gradients of <f, g> for every input, on a device in a dtype.
+    let run = |dev: &Device, dtype: DType, inputs: &[Tensor], g: &Tensor, f: Model| {
+        let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(&t.to_device(dev).unwrap()).unwrap()).collect();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts, dtype).to_dtype(DType::F32).unwrap();
+        let store = (&y * g.to_device(dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut out = vec![flat(&y)];
+        out.extend(vars.iter().map(|v| flat(store.get(v.as_tensor()).unwrap())));
+        out
+    };
+    let compare = |what: &str, dtype: DType, inputs: &[Tensor], g: &Tensor, f: Model| {
+        let rounded: Vec<Tensor> =
+            inputs.iter().map(|t| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap()).collect();
+        let (on_gpu, on_cpu) = (run(&gpu, dtype, &rounded, g, f), run(&cpu, DType::F32, &rounded, g, f));
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        for (i, (a, want)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+            let err = common::rel_err(a, want);
+            eprintln!("{what} {dtype:?} output/gradient {i}: relative error {err:.3e}");
+            assert!(err < tol, "{what} {dtype:?}: output/gradient {i} differs from the CPU's by {err:.3e}");
+        }
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        // Conv: x a slice of a wider matrix, weight [C,1,K] and bias [C] trained.
+        let (b, l, c, k) = (2, 150, 300, 4);
+        let conv = |t: &[Tensor], dt: DType| {
+            let x = t[0].to_dtype(dt).unwrap().narrow(2, 3, c).unwrap();
+            let conv = ShortConv::new(t[1].to_dtype(dt).unwrap(), Some(t[2].to_dtype(dt).unwrap())).unwrap();
+            conv.forward_silu_cached(&x, None).unwrap().0
+        };
+        let inputs = [rand(&[b, l, c + 8], 1), rand(&[c, 1, k], 2), rand(&[c], 3)];
+        compare("conv", dtype, &inputs, &rand(&[b, l, c], 4), &conv);
+        // Norms: plain (block norms, 1 + w) and gated (the recurrent mixers' output norm).
+        for (n, gated, kind) in
+            [(2048, false, NormWeight::OnePlus), (130, true, NormWeight::Plain), (256, false, NormWeight::Plain)]
+        {
+            let norm = |t: &[Tensor], dt: DType| {
+                let norm = RmsNorm::new(t[t.len() - 1].clone(), 1e-6, kind).unwrap();
+                let x = t[0].to_dtype(dt).unwrap();
+                match gated {
+                    true => norm.forward_gated(&x, &t[1].to_dtype(dt).unwrap()).unwrap(),
+                    false => norm.forward(&x).unwrap(),
+                }
+            };
+            let mut inputs = vec![rand(&[3, 70, n], 5)];
+            if gated {
+                inputs.push(rand(&[3, 70, n], 6));
+            }
+            inputs.push(rand(&[n], 7));
+            compare(&format!("norm n {n} gated {gated} {kind:?}"), dtype, &inputs, &rand(&[3, 70, n], 8), &norm);
+        }
+        // SwiGLU over a stacked gate | up projection (frozen, as in recovery), the input trained.
+        let mlp = |t: &[Tensor], dt: DType| {
+            use statecut::layers::{linear::Linear, mlp::SwiGlu};
+            let gate_up = Linear::new(
+                (rand(&[2 * 96, 64], 10) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(t[0].device()).unwrap(),
+                None,
+            );
+            let down = Linear::new(
+                (rand(&[64, 96], 11) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(t[0].device()).unwrap(),
+                None,
+            );
+            SwiGlu::stacked(gate_up, down).unwrap().forward(&t[0].to_dtype(dt).unwrap()).unwrap()
+        };
+        compare("swiglu", dtype, &[rand(&[3, 70, 64], 9)], &rand(&[3, 70, 64], 12), &mlp);
+    }
+}
+
 /// Gradients through the GPU path (float32 weights, the chunked recurrence and unfused ops)
 /// against PyTorch autograd's goldens, every model that has them.
 #[test]

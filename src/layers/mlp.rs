@@ -56,6 +56,12 @@ impl SwiGlu {
         if let Some(s) = fused {
             return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu(&crate::ops::linear(s, x)?)?)?);
         }
+        // With gradients on a GPU (frozen stacked weights, a tracked input): one product and the
+        // activation's own backward, not two products and candle's ops.
+        let plain = [&self.gate, &self.up].iter().all(|l| l.adapter().is_none());
+        if let Some(s) = self.stacked.as_ref().filter(|s| plain && s.adapter().is_none() && !x.device().is_cpu()) {
+            return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu_grad(&crate::ops::linear(s, x)?)?)?);
+        }
         let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
         Ok(self.down.forward(&h)?)
     }

@@ -66,8 +66,14 @@ impl ShortConv {
     pub fn forward_silu_cached(&self, x: &Tensor, prev: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
         let _s = crate::profile::span("short conv", x.device());
         let (weight, bias) = self.parts()?;
-        let tensors = [Some(x), Some(&weight), bias.as_ref(), prev].into_iter().flatten();
-        if !super::fusable(&tensors.collect::<Vec<_>>()) {
+        let tensors: Vec<&Tensor> = [Some(x), Some(&weight), bias.as_ref(), prev].into_iter().flatten().collect();
+        // A pass with gradients on a GPU takes the op with its own backward ([`ConvBwd`]): as
+        // candle ops, every tap's product and its gradient is a pass over the whole input.
+        if !super::fusable(&tensors) && prev.is_none() && !x.device().is_cpu() && weight.dim(1)? <= CONV_BWD_MAX_K {
+            let k = weight.dim(1)?;
+            return Ok((fused_conv_grad(x, &weight, bias.as_ref(), true)?, last_inputs(x, k - 1)?));
+        }
+        if !super::fusable(&tensors) {
             let (y, state) = self.forward_cached(x, prev)?;
             return Ok((candle_nn::ops::silu(&y)?, state));
         }
@@ -128,6 +134,21 @@ fn fused_conv(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>, pad: usize
     };
     // A column slice of a stacked projection's output is read where it lies.
     super::as_rows(input)?.apply_op3_no_bwd(&w, &bias, &FusedConv { pad, act })
+}
+
+/// The widest kernel [`ConvBwd`] takes (its windows are eight steps).
+const CONV_BWD_MAX_K: usize = 8;
+
+/// [`fused_conv`] in its causal form (no history), differentiable: its backward is [`ConvBwd`].
+fn fused_conv_grad(input: &Tensor, weight: &Tensor, bias: Option<&Tensor>, act: bool) -> Result<Tensor> {
+    let dtype = input.dtype();
+    let k = weight.dim(1)?;
+    let w = weight.to_dtype(dtype)?.contiguous()?;
+    let bias = match bias {
+        Some(b) => b.to_dtype(dtype)?,
+        None => Tensor::zeros(w.dim(0)?, dtype, input.device())?,
+    };
+    super::as_rows(input)?.apply_op3(&w, &bias, FusedConv { pad: k - 1, act })
 }
 
 /// The last `n` steps of x [B, T, C], zero-padded in front when T < n.
@@ -228,6 +249,135 @@ impl CustomOp3 for FusedConv {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         super::cuda::conv(x, xl, w, wl, bias, bl, self.pad, self.act)
     }
+
+    /// dx, dw and dbias from one [`ConvBwd`] pass over x and the output's gradient.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (b, l, c) = x.dims3()?;
+        let k = w.dim(1)?;
+        if self.pad + 1 != k || k > CONV_BWD_MAX_K {
+            candle_core::bail!("conv backward: only the causal form with at most {CONV_BWD_MAX_K} taps");
+        }
+        let f32 = candle_core::DType::F32;
+        let wb = Tensor::cat(&[w.to_dtype(f32)?, bias.to_dtype(f32)?.unsqueeze(1)?], 1)?.contiguous()?;
+        let dy = grad.to_dtype(x.dtype())?.contiguous()?;
+        let out = super::as_rows(x)?.apply_op3_no_bwd(&wb, &dy, &ConvBwd { act: self.act })?;
+        let n = b * l * c;
+        let dx = out.narrow(0, 0, n)?.reshape((b, l, c))?.to_dtype(x.dtype())?;
+        let parts = out.narrow(0, n, out.dim(0)? - n)?.reshape((c * (k + 1), ()))?.sum(1)?.reshape((c, k + 1))?;
+        let dw = parts.narrow(1, 0, k)?.to_dtype(w.dtype())?;
+        let db = parts.narrow(1, k, 1)?.squeeze(1)?.to_dtype(bias.dtype())?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// The backward of [`FusedConv`]'s causal form over (x, w | bias [C, K+1] float32, dy): float32
+/// dx [B·L·C] followed by partial sums of dw | dbias [C·(K+1), tiles], which the caller adds
+/// up (one tile on the CPU; `conv_silu_bwd` in kernels.cu on a GPU).
+struct ConvBwd {
+    act: bool,
+}
+
+impl ConvBwd {
+    /// The CPU half, in float32 over x's values: (dx, [dw | dbias] by channel).
+    fn cpu<T: WithDType>(
+        &self,
+        x: &[T],
+        xs: usize,
+        wb: &[f32],
+        dy: &[T],
+        (b, l, c, k): (usize, usize, usize, usize),
+    ) -> Vec<f32> {
+        let mut dx = vec![0f32; b * l * c];
+        let mut parts = vec![0f32; c * (k + 1)];
+        let xv = |bi: usize, s: isize, ch: usize| -> f32 {
+            if s < 0 || s as usize >= l {
+                0.0
+            } else {
+                x[(bi * l + s as usize) * xs + ch].to_f64() as f32
+            }
+        };
+        for bi in 0..b {
+            for ch in 0..c {
+                let w = &wb[ch * (k + 1)..][..k + 1];
+                let dpre: Vec<f32> = (0..l)
+                    .map(|t| {
+                        let pre =
+                            w[k] + (0..k).map(|i| w[i] * xv(bi, t as isize - (k - 1 - i) as isize, ch)).sum::<f32>();
+                        let d = dy[(bi * l + t) * c + ch].to_f64() as f32;
+                        if self.act {
+                            let s = 1.0 / (1.0 + (-pre).exp());
+                            d * s * (1.0 + pre * (1.0 - s))
+                        } else {
+                            d
+                        }
+                    })
+                    .collect();
+                for (t, d) in dpre.iter().enumerate() {
+                    for i in 0..k {
+                        parts[ch * (k + 1) + i] += d * xv(bi, t as isize - (k - 1 - i) as isize, ch);
+                    }
+                    parts[ch * (k + 1) + k] += d;
+                }
+                for s in 0..l {
+                    dx[(bi * l + s) * c + ch] =
+                        (0..k).filter(|&i| s + k - 1 - i < l).map(|i| w[i] * dpre[s + k - 1 - i]).sum();
+                }
+            }
+        }
+        dx.extend(parts);
+        dx
+    }
+}
+
+impl CustomOp3 for ConvBwd {
+    fn name(&self) -> &'static str {
+        "statecut-conv-silu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        wb: &CpuStorage,
+        wbl: &Layout,
+        dy: &CpuStorage,
+        dyl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, l, c) = xl.shape().dims3()?;
+        let k = wbl.shape().dims2()?.1 - 1;
+        let wb = super::cpu_slice(wb, wbl, "conv backward weight")?;
+        let (gs, ge) = super::contiguous(dyl, "conv backward gradient")?;
+        let super::Rows { offset: x0, stride: rs, .. } = super::Rows::of(xl, "conv backward")?;
+        let dims = (b, l, c, k);
+        let out = match (x, dy) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => self.cpu(&x[x0..], rs, wb, &g[gs..ge], dims),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => self.cpu(&x[x0..], rs, wb, &g[gs..ge], dims),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => self.cpu(&x[x0..], rs, wb, &g[gs..ge], dims),
+            _ => candle_core::bail!("conv backward: input and gradient must share one float dtype"),
+        };
+        let n = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        wb: &candle_core::CudaStorage,
+        wbl: &Layout,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::conv_bwd(x, xl, wb, wbl, dy, dyl, self.act)
+    }
 }
 
 #[cfg(test)]
@@ -274,6 +424,59 @@ mod tests {
                     let wide = Tensor::cat(&[&input, &input.narrow(2, 0, 2).unwrap()], 2).unwrap();
                     let sliced = conv.fused(&wide.narrow(2, 0, c).unwrap(), pad, true).unwrap();
                     assert_eq!(flat(&sliced), flat(&conv.fused(&input, pad, true).unwrap()));
+                }
+            }
+        }
+    }
+
+    /// The differentiable op's gradients (its backward, [`ConvBwd`], whose CPU half is the
+    /// reference for `conv_silu_bwd`) equal those of conv + SiLU in candle ops: for x read as a
+    /// column slice, the weight and the bias, with and without SiLU, kernels of 1 to 8 taps,
+    /// sequences shorter than the kernel, in float32 and bf16.
+    #[test]
+    fn conv_gradients_match_candle_ops() {
+        use candle_core::Var;
+        for (b, l, c, k) in [(2, 9, 5, 4), (1, 3, 4, 4), (2, 7, 3, 1), (1, 12, 2, 8), (3, 5, 6, 2)] {
+            for act in [true, false] {
+                for dtype in [DType::F32, DType::BF16] {
+                    let what = format!("{b}x{l}x{c} k {k} act {act} {dtype:?}");
+                    let wide = Var::from_tensor(&ramp(&[b, l, c + 3], 0.3).to_dtype(dtype).unwrap()).unwrap();
+                    let w = Var::from_tensor(&ramp(&[c, k], 1.1)).unwrap();
+                    let bias = Var::from_tensor(&ramp(&[c], 2.2)).unwrap();
+                    let g = ramp(&[b, l, c], 4.4).to_dtype(dtype).unwrap();
+                    let x = wide.as_tensor().narrow(2, 1, c).unwrap();
+                    let fast = fused_conv_grad(&x, w.as_tensor(), Some(bias.as_tensor()), act).unwrap();
+                    // The reference in float32 over the values the op reads (x, w and bias
+                    // rounded to the dtype): candle's bf16 ops would also sum in bf16.
+                    let f32 = DType::F32;
+                    let round = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(f32).unwrap();
+                    let conv = ShortConv::new(round(w.as_tensor()).unsqueeze(1).unwrap(), None).unwrap();
+                    let (y, _) = conv.forward_cached(&round(&x), None).unwrap();
+                    let y = y.broadcast_add(&round(bias.as_tensor())).unwrap();
+                    let slow = if act { candle_nn::ops::silu(&y).unwrap() } else { y };
+                    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                    let close = |a: &Tensor, b: &Tensor, name: &str| {
+                        let (a, b) = (flat(a), flat(b));
+                        let scale = b.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+                        let err = a.iter().zip(&b).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale;
+                        assert!(err < tol, "{what} {name}: {err}");
+                    };
+                    close(&fast, &slow, "y");
+                    let gf = (fast.to_dtype(DType::F32).unwrap() * g.to_dtype(DType::F32).unwrap())
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let gs = (slow.to_dtype(DType::F32).unwrap() * g.to_dtype(DType::F32).unwrap())
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    for (name, v) in [("x", wide.as_tensor()), ("w", w.as_tensor()), ("bias", bias.as_tensor())] {
+                        close(gf.get(v).unwrap(), gs.get(v).unwrap(), name);
+                    }
                 }
             }
         }

@@ -218,8 +218,61 @@ pub fn conv(
     Ok((out, Shape::from((b, t_out, c))))
 }
 
+/// Steps of one sequence per thread in [`conv_bwd`]: the partial sums it leaves are C·(K+1) per
+/// tile, and a longer tile costs its 7 trailing steps less often.
+pub(crate) const CONV_BWD_TILE: usize = 64;
+
+/// The backward of the causal conv (+ SiLU) of x [B,L,C] (rows of one stride) with `wb` [C,K+1]
+/// (weight | bias, float32) against dy [B,L,C] (x's dtype): float32 dx [B·L·C] followed by
+/// the per-tile partial sums of dw | dbias [C·(K+1), B·⌈L/64⌉] (see `conv_silu_bwd`).
+pub fn conv_bwd(
+    x: &CudaStorage,
+    xl: &Layout,
+    wb: &CudaStorage,
+    wbl: &Layout,
+    dy: &CudaStorage,
+    dyl: &Layout,
+    act: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.device().clone();
+    let (b, l, c) = xl.shape().dims3()?;
+    let k = wbl.shape().dims2()?.1 - 1;
+    let super::Rows { offset: x0, stride: xs, .. } = super::Rows::of(xl, "conv backward")?;
+    let ntiles = b * l.div_ceil(CONV_BWD_TILE);
+    let n = b * l * c + c * (k + 1) * ntiles;
+    let ints = [b, l, c, k, act as usize, CONV_BWD_TILE].map(|v| v as i32);
+    let xs = xs as i64;
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(256) as u32, ntiles.clamp(1, 65535) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let wv = view::<f32>((wb, wbl), "conv backward weight")?;
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = from::<$ty>(x, x0)?;
+            let gv = view::<$ty>((dy, dyl), "conv backward gradient")?;
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes every dx and every tile's partial sums.
+            let out = unsafe { dev.alloc::<f32>(n)? };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&xs).arg(&wv).arg(&gv).arg(&out);
+            for v in &ints {
+                builder.arg(v);
+            }
+            // SAFETY: argument list matches `conv_silu_bwd_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    let out = per_dtype!(x.dtype(), "conv_silu_bwd", "conv backward", launch);
+    Ok((out, Shape::from(n)))
+}
+
 /// Gated RMSNorm of rows [rows, n] of x and gate (one dtype) with a float32 weight [n]; output
 /// in x's dtype and shape.
+#[allow(clippy::too_many_arguments)]
 pub fn gated_rms(
     x: &CudaStorage,
     xl: &Layout,
@@ -228,11 +281,13 @@ pub fn gated_rms(
     w: &CudaStorage,
     wl: &Layout,
     eps: f32,
+    gated: bool,
 ) -> Result<(CudaStorage, Shape)> {
     let dev = x.device().clone();
     let n = xl.shape().dims().last().copied().unwrap_or(1);
     let rows = xl.shape().elem_count() / n.max(1);
     let wv = view::<f32>((w, wl), "gated norm weight")?;
+    let gated = gated as i32;
     // One warp per row, eight rows per block.
     let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
@@ -245,7 +300,7 @@ pub fn gated_rms(
             let out = unsafe { dev.alloc::<$ty>(rows * n)? };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&gv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps);
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps).arg(&gated);
             // SAFETY: argument list matches `gated_rms_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)
@@ -253,6 +308,47 @@ pub fn gated_rms(
     }
     let out = per_dtype!(x.dtype(), "gated_rms", "gated norm", launch);
     Ok((out, xl.shape().clone()))
+}
+
+/// Rows per block of `rms_bwd` (`RMS_BWD_ROWS` in kernels.cu).
+const RMS_BWD_ROWS: usize = 64;
+
+/// The backward of [`gated_rms`] against dy (x's dtype): float32 dx [rows·n], dg [rows·n] when
+/// `gated`, then partial sums of dw [8·⌈rows/64⌉, n] (one per warp).
+pub fn rms_bwd(
+    x: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+    eps: f32,
+    gated: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device().clone();
+    let n = x.1.shape().dims().last().copied().unwrap_or(1);
+    let rows = x.1.shape().elem_count() / n.max(1);
+    let blocks = rows.div_ceil(RMS_BWD_ROWS);
+    let len = rows * n * (1 + gated as usize) + n * blocks * 8;
+    let wv = view::<f32>(w, "norm backward weight")?;
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (ri, ni, gi) = (rows as i32, n as i32, gated as i32);
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = view::<$ty>(x, "norm backward")?;
+            let gv = view::<$ty>(g, "norm backward gate")?;
+            let dv = view::<$ty>(dy, "norm backward gradient")?;
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes every dx (and dg) and every block's partial dw.
+            let out = unsafe { dev.alloc::<f32>(len)? };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi);
+            // SAFETY: argument list matches `rms_bwd_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    let out = per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch);
+    Ok((out, Shape::from(len)))
 }
 
 /// A row view for a launch: storage, start offset and row stride in elements.
@@ -395,6 +491,40 @@ pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<Cud
         }};
     }
     Ok(per_dtype!(x.dtype(), "swiglu", "swiglu", launch))
+}
+
+/// `swiglu_bwd` in kernels.cu: d[gate | up] [rows, 2n] from x = [gate | up] and dy [rows, n],
+/// all contiguous and of x's dtype.
+pub fn swiglu_bwd(
+    x: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+    rows: usize,
+    n: usize,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65535) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let total = 2 * rows * n;
+    let (rows, n) = (rows as i64, n as i32);
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = view::<$ty>(x, "swiglu backward")?;
+            let gv = view::<$ty>(dy, "swiglu backward gradient")?;
+            // SAFETY: the kernel writes all rows x 2n outputs.
+            let out = unsafe { dev.alloc::<$ty>(total)? };
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&gv).arg(&out).arg(&rows).arg(&n);
+            // SAFETY: argument list matches `swiglu_bwd_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(per_dtype!(x.0.dtype(), "swiglu_bwd", "swiglu backward", launch))
 }
 
 /// `add_rms` in kernels.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the

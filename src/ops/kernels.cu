@@ -74,11 +74,96 @@ CONV(conv_silu_f32, float)
 CONV(conv_silu_bf16, __nv_bfloat16)
 CONV(conv_silu_f16, __half)
 
+// The backward of conv_silu's causal form (pad = K - 1, T_out = L, K <= 8): with
+// pre[t] = bias + sum_i w[i] x[t-K+1+i] and y = silu(pre) (or pre), it writes, float32,
+// dx [B, L, C] and, per tile of `tt` steps of one sequence, the partial sums of dw and dbias
+// (part[(c*(K+1) + i) * ntiles + tile], i = K for the bias), which the caller adds up. One
+// thread per channel walks its tile once: dpre is recomputed from a sliding window of x, and
+// dx[s] = sum_i w[i] dpre[s+K-1-i] is emitted 7 steps behind, when its dpre are all known.
+// Slot j of the windows holds step t - 7 + j (tap i = j - (8 - K)), so every index is static.
+template <typename T>
+__device__ void conv_silu_bwd(const T *x, long long xs, const float *wb, const T *dy, float *out, int B, int L,
+                              int C, int K, int act, int tt) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int tiles = (L + tt - 1) / tt;
+  const long long ntiles = (long long)B * tiles;
+  float *dx = out;
+  float *part = out + (long long)B * L * C;
+  float wr[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int i = j - (8 - K);
+    wr[j] = i >= 0 ? wb[c * (K + 1) + i] : 0.0f;
+  }
+  const float bc = wb[c * (K + 1) + K];
+  for (long long bt = blockIdx.y; bt < ntiles; bt += gridDim.y) {
+    const int b = bt / tiles, t0 = (bt % tiles) * tt, t1 = min(t0 + tt, L);
+    const T *xb = x + (long long)b * L * xs + c;
+    const T *gb = dy + (long long)b * L * C + c;
+    float *dxb = dx + (long long)b * L * C + c;
+    auto in = [&](int s) { return (s >= 0 && s < L) ? to_f(xb[(long long)s * xs]) : 0.0f; };
+    float xw[8], dq[8], dwr[8], dbias = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      xw[j] = j > 0 ? in(t0 - 8 + j) : 0.0f;
+      dq[j] = 0.0f;
+      dwr[j] = 0.0f;
+    }
+    for (int t = t0; t < t1 + 7; t++) {
+#pragma unroll
+      for (int j = 0; j < 7; j++) {
+        xw[j] = xw[j + 1];
+        dq[j] = dq[j + 1];
+      }
+      xw[7] = in(t);
+      float d = 0.0f;
+      if (t < L) {
+        float pre = bc;
+#pragma unroll
+        for (int j = 0; j < 8; j++) pre += wr[j] * xw[j];
+        d = to_f(gb[(long long)t * C]);
+        if (act) {
+          const float s = 1.0f / (1.0f + expf(-pre));
+          d *= s * (1.0f + pre * (1.0f - s));
+        }
+      }
+      dq[7] = d;
+      if (t < t1) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) dwr[j] += d * xw[j];
+        dbias += d;
+      }
+      const int s = t - 7;
+      if (s >= t0) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc += wr[j] * dq[7 - j];
+        dxb[(long long)s * C] = acc;
+      }
+    }
+    float *pc = part + (long long)c * (K + 1) * ntiles + bt;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      if (j >= 8 - K) pc[(long long)(j - (8 - K)) * ntiles] = dwr[j];
+    pc[(long long)K * ntiles] = dbias;
+  }
+}
+
+#define CONV_BWD(NAME, T)                                                                           \
+  extern "C" __global__ void NAME(const T *x, long long xs, const float *wb, const T *dy, float *out, \
+                                  int B, int L, int C, int K, int act, int tt) {                   \
+    conv_silu_bwd<T>(x, xs, wb, dy, out, B, L, C, K, act, tt);                                      \
+  }
+CONV_BWD(conv_silu_bwd_f32, float)
+CONV_BWD(conv_silu_bwd_bf16, __nv_bfloat16)
+CONV_BWD(conv_silu_bwd_f16, __half)
+
 // Gated RMSNorm over rows of width n: y = x / sqrt(mean(x²) + eps) · w · silu(g), in float32,
 // rounded once to T (fla FusedRMSNormGated, Qwen3.5's gated norm). One warp per row.
 template <typename T>
 __device__ void gated_rms(const T *__restrict__ x, const T *__restrict__ g, const float *__restrict__ w,
-                          T *__restrict__ y, int rows, int n, float eps) {
+                          T *__restrict__ y, int rows, int n, float eps, int gated) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= rows) return;
@@ -93,19 +178,79 @@ __device__ void gated_rms(const T *__restrict__ x, const T *__restrict__ g, cons
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   const float inv = rsqrtf(ss / n + eps);
   for (int i = lane; i < n; i += 32) {
-    const float gv = to_f(gr[i]);
-    yr[i] = from_f<T>(to_f(xr[i]) * inv * w[i] * (gv / (1.0f + expf(-gv))));
+    const float gv = gated ? to_f(gr[i]) : 0.0f;
+    yr[i] = from_f<T>(to_f(xr[i]) * inv * w[i] * (gated ? gv / (1.0f + expf(-gv)) : 1.0f));
   }
 }
 
 #define GATED_RMS(NAME, T)                                                                          \
   extern "C" __global__ void NAME(const T *x, const T *g, const float *w, T *y, int rows, int n,    \
-                                  float eps) {                                                     \
-    gated_rms<T>(x, g, w, y, rows, n, eps);                                                         \
+                                  float eps, int gated) {                                          \
+    gated_rms<T>(x, g, w, y, rows, n, eps, gated);                                                  \
   }
 GATED_RMS(gated_rms_f32, float)
 GATED_RMS(gated_rms_bf16, __nv_bfloat16)
 GATED_RMS(gated_rms_f16, __half)
+
+// The backward of gated_rms (gated or not) over rows of width n <= RMS_BWD_MAX_N: with
+// x^ = x r, r = (mean(x^2) + eps)^(-1/2), y = x^ w s(g), s = silu (or 1), and u = dy s(g):
+// dx = r (u w - x^ mean(u w x^)), dg = dy x^ w silu'(g), dw = sum over rows of u x^. Float32
+// out: dx [rows n], then dg [rows n] when gated, then partial dw [blocks * warps, n] (the
+// caller adds them up). One warp per row, RMS_BWD_ROWS rows per block; each warp sums dw over
+// its rows into its own row of the partials, in a fixed order, so the result does not depend
+// on scheduling as shared-memory atomics would.
+#define RMS_BWD_ROWS 64
+template <typename T>
+__device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const float *__restrict__ w,
+                        const T *__restrict__ dy, float *__restrict__ out, int rows, int n, float eps, int gated) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  float *dx = out, *dg = out + (int64_t)rows * n;
+  float *dw = dg + (gated ? (int64_t)rows * n : 0) + ((int64_t)blockIdx.x * warps + warp) * n;
+  for (int i = lane; i < n; i += 32) dw[i] = 0.0f;
+  const int r0 = blockIdx.x * RMS_BWD_ROWS, r1 = min(r0 + RMS_BWD_ROWS, rows);
+  for (int row = r0 + warp; row < r1; row += warps) {
+    const T *xr = x + (int64_t)row * n, *gr = g + (int64_t)row * n, *dr = dy + (int64_t)row * n;
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = lane; i < n; i += 32) {
+      const float v = to_f(xr[i]);
+      float u = to_f(dr[i]);
+      if (gated) {
+        const float gv = to_f(gr[i]);
+        u *= gv / (1.0f + expf(-gv));
+      }
+      ss += v * v;
+      dot += u * w[i] * v;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    }
+    const float inv = rsqrtf(ss / n + eps);
+    // mean(u w x^) = inv · dot / n
+    const float m = inv * dot / n;
+    for (int i = lane; i < n; i += 32) {
+      const float xh = to_f(xr[i]) * inv, d = to_f(dr[i]);
+      float sg = 1.0f;
+      if (gated) {
+        const float gv = to_f(gr[i]), sig = 1.0f / (1.0f + expf(-gv));
+        sg = gv * sig;
+        dg[(int64_t)row * n + i] = d * xh * w[i] * sig * (1.0f + gv * (1.0f - sig));
+      }
+      const float u = d * sg;
+      dx[(int64_t)row * n + i] = inv * (u * w[i] - xh * m);
+      dw[i] += u * xh;
+    }
+  }
+}
+
+#define RMS_BWD(NAME, T)                                                                            \
+  extern "C" __global__ void NAME(const T *x, const T *g, const float *w, const T *dy, float *out,  \
+                                  int rows, int n, float eps, int gated) {                         \
+    rms_bwd<T>(x, g, w, dy, out, rows, n, eps, gated);                                              \
+  }
+RMS_BWD(rms_bwd_f32, float)
+RMS_BWD(rms_bwd_bf16, __nv_bfloat16)
+RMS_BWD(rms_bwd_f16, __half)
 
 // The (gated) delta rule / linear attention recurrence of src/ops/delta_rule.rs, sequential in
 // time and float32 throughout, one thread block per (sequence, head, column tile of the state).
@@ -552,6 +697,29 @@ __device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long row
 SWIGLU(swiglu_f32, float)
 SWIGLU(swiglu_bf16, __nv_bfloat16)
 SWIGLU(swiglu_f16, __half)
+
+// The backward of swiglu: d[gate | up] = [dy · up · silu'(gate) | dy · silu(gate)], float32
+// inside, rounded once to T; the grid as swiglu's.
+template <typename T>
+__device__ void swiglu_bwd(const T *__restrict__ x, const T *__restrict__ dy, T *__restrict__ dx, long long rows,
+                           int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float gv = to_f(x[r * 2 * n + i]), up = to_f(x[r * 2 * n + n + i]), d = to_f(dy[r * n + i]);
+    const float sig = 1.0f / (1.0f + expf(-gv));
+    dx[r * 2 * n + i] = from_f<T>(d * up * sig * (1.0f + gv * (1.0f - sig)));
+    dx[r * 2 * n + n + i] = from_f<T>(d * gv * sig);
+  }
+}
+
+#define SWIGLU_BWD(NAME, T)                                                                        \
+  extern "C" __global__ void NAME(const T *x, const T *dy, T *dx, long long rows, int n) {         \
+    swiglu_bwd<T>(x, dy, dx, rows, n);                                                             \
+  }
+SWIGLU_BWD(swiglu_bwd_f32, float)
+SWIGLU_BWD(swiglu_bwd_bf16, __nv_bfloat16)
+SWIGLU_BWD(swiglu_bwd_f16, __half)
 
 // Per-column sums of squares of x [rows, n] (row r at r · xs), in float32, over chunks of
 // `chunk` rows: part [ceil(rows / chunk), n]. The caller adds the chunks up in a fixed order, so

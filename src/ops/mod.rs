@@ -34,6 +34,18 @@ pub fn linear<M: candle_core::Module>(lin: &M, x: &Tensor) -> Result<Tensor> {
     y.reshape(out)
 }
 
+/// The sum of all of `t`'s elements. candle reduces each output in one thread block, so off the
+/// CPU a whole-tensor sum of a large tensor would run on one multiprocessor: this sums rows of
+/// a few thousand elements first. The CPU keeps candle's own order.
+pub fn sum_all(t: &Tensor) -> Result<Tensor> {
+    let n = t.elem_count();
+    let cols = [4096, 2048, 1024, 512, 256].into_iter().find(|&c| n.is_multiple_of(c) && n >= 8 * c);
+    match cols {
+        Some(c) if !t.device().is_cpu() => t.flatten_all()?.reshape((n / c, c))?.sum(1)?.sum_all(),
+        _ => t.sum_all(),
+    }
+}
+
 /// softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for large |x|.
 pub fn softplus(x: &Tensor) -> Result<Tensor> {
     x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?

@@ -46,8 +46,11 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let weight = self.weight.get()?;
         // candle's fused kernel has no backward: a pass that differentiates the input or the
-        // weight takes the ops.
+        // weight takes statecut's op with one (on a GPU) or the ops.
         if !super::fusable(&[x, &weight]) {
+            if rms_grad_applies(x) {
+                return rms_grad(x, None, &weight, self.eps);
+            }
             return self.forward_ops(x, &weight);
         }
         let eps = self.eps as f32;
@@ -84,10 +87,13 @@ impl RmsNorm {
     pub fn forward_gated(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
         let weight = self.weight.get()?;
         if !super::fusable(&[x, gate, &weight]) {
+            if rms_grad_applies(x) {
+                return rms_grad(x, Some(gate), &weight, self.eps);
+            }
             return self.forward_gated_ops(x, gate, &weight);
         }
         let gate = gate.to_dtype(x.dtype())?.contiguous()?;
-        x.contiguous()?.apply_op3_no_bwd(&gate, &weight, &GatedRms { eps: self.eps as f32 })
+        x.contiguous()?.apply_op3_no_bwd(&gate, &weight, &GatedRms { eps: self.eps as f32, gated: true })
     }
 
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
@@ -97,11 +103,31 @@ impl RmsNorm {
     }
 }
 
+/// Whether a norm with gradients takes [`rms_grad`]: on a GPU (the CPU keeps the ops, the
+/// reference).
+fn rms_grad_applies(x: &Tensor) -> bool {
+    !x.device().is_cpu()
+}
+
+/// norm(x)·w (·silu(gate)) in float32, in x's dtype, differentiable in x, the gate and the
+/// float32 weight: one kernel forward ([`GatedRms`]) and one backward ([`RmsBwd`]), where
+/// candle's ops take some twenty passes over the rows between them.
+fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let op = GatedRms { eps: eps as f32, gated: gate.is_some() };
+    match gate {
+        Some(g) => x.apply_op3(&g.to_dtype(x.dtype())?.contiguous()?, weight, op),
+        // Ungated, the gate's place holds x itself and is never read.
+        None => x.apply_op3(&x.detach(), weight, op),
+    }
+}
+
 /// The gated RMSNorm as one op over (x, gate, float32 weight): rows of the last dimension,
 /// float32 inside, one rounding to x's dtype. The CPU half defines it; the CUDA half is
-/// `gated_rms` in kernels.cu.
+/// `gated_rms` in kernels.cu. Ungated (`gated` false), the gate is not read.
 struct GatedRms {
     eps: f32,
+    gated: bool,
 }
 
 impl GatedRms {
@@ -121,7 +147,8 @@ impl GatedRms {
             let inv = 1.0 / (ss / n as f32 + self.eps).sqrt();
             for ((xv, gv), wv) in xr.iter().zip(gr).zip(w) {
                 let gv = gv.to_f64() as f32;
-                y.push(T::from_f64((xv.to_f64() as f32 * inv * wv * (gv / (1.0 + (-gv).exp()))) as f64));
+                let s = if self.gated { gv / (1.0 + (-gv).exp()) } else { 1.0 };
+                y.push(T::from_f64((xv.to_f64() as f32 * inv * wv * s) as f64));
             }
         }
         y
@@ -167,7 +194,126 @@ impl CustomOp3 for GatedRms {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Self::check(xl, gl, wl)?;
-        super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps)
+        super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps, self.gated)
+    }
+
+    /// dx, dgate and dw from one [`RmsBwd`] pass.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = w.elem_count();
+        let rows = x.elem_count() / n.max(1);
+        let dy = grad.to_dtype(x.dtype())?.contiguous()?;
+        let op = RmsBwd { eps: self.eps, gated: self.gated, weight: w.detach().contiguous()? };
+        let out = x.contiguous()?.apply_op3_no_bwd(&g.contiguous()?, &dy, &op)?;
+        let dx = out.narrow(0, 0, rows * n)?.reshape(x.shape())?.to_dtype(x.dtype())?;
+        let mut at = rows * n;
+        let dg = if self.gated {
+            at += rows * n;
+            Some(out.narrow(0, rows * n, rows * n)?.reshape(g.shape())?.to_dtype(g.dtype())?)
+        } else {
+            None
+        };
+        let parts = out.narrow(0, at, out.dim(0)? - at)?.reshape(((), n))?;
+        let dw = parts.t()?.contiguous()?.sum(1)?.reshape(w.shape())?;
+        Ok((Some(dx), dg, Some(dw)))
+    }
+}
+
+/// The backward of [`GatedRms`] over (x, gate, dy), with the float32 weight held by the op:
+/// float32 dx [rows·n], dgate [rows·n] when gated, then partial sums of dw [parts, n] that the
+/// caller adds up (one part on the CPU; one per warp of `rms_bwd` in kernels.cu).
+struct RmsBwd {
+    eps: f32,
+    gated: bool,
+    weight: Tensor,
+}
+
+impl RmsBwd {
+    fn rows<T: WithDType>(&self, x: &[T], g: &[T], dy: &[T], w: &[f32]) -> Vec<f32> {
+        let n = w.len();
+        let silu = |v: f32| v / (1.0 + (-v).exp());
+        let mut dx = Vec::with_capacity(x.len());
+        let mut dg = Vec::with_capacity(if self.gated { x.len() } else { 0 });
+        let mut dw = vec![0f32; n];
+        let f = |v: &T| v.to_f64() as f32;
+        for ((xr, gr), dr) in x.chunks_exact(n).zip(g.chunks_exact(n)).zip(dy.chunks_exact(n)) {
+            let u: Vec<f32> =
+                dr.iter().zip(gr).map(|(d, gv)| f(d) * if self.gated { silu(f(gv)) } else { 1.0 }).collect();
+            let ss: f32 = xr.iter().map(|v| f(v).powi(2)).sum();
+            let inv = 1.0 / (ss / n as f32 + self.eps).sqrt();
+            let dot: f32 = xr.iter().zip(&u).zip(w).map(|((v, u), w)| u * w * f(v)).sum();
+            let m = inv * dot / n as f32;
+            for i in 0..n {
+                let xh = f(&xr[i]) * inv;
+                dx.push(inv * (u[i] * w[i] - xh * m));
+                dw[i] += u[i] * xh;
+                if self.gated {
+                    let gv = f(&gr[i]);
+                    let sig = 1.0 / (1.0 + (-gv).exp());
+                    dg.push(f(&dr[i]) * xh * w[i] * sig * (1.0 + gv * (1.0 - sig)));
+                }
+            }
+        }
+        dx.extend(dg);
+        dx.extend(dw);
+        dx
+    }
+}
+
+impl CustomOp3 for RmsBwd {
+    fn name(&self) -> &'static str {
+        "statecut-rms-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        dy: &CpuStorage,
+        dyl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let slice = |lay: &Layout| super::contiguous(lay, "norm backward");
+        let ((xs, xe), (gs, ge), (ds, de)) = (slice(xl)?, slice(gl)?, slice(dyl)?);
+        let w = super::cpu_f32(&self.weight)?;
+        let out = match (x, g, dy) {
+            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(d)) => {
+                self.rows(&x[xs..xe], &g[gs..ge], &d[ds..de], &w)
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g), CpuStorage::BF16(d)) => {
+                self.rows(&x[xs..xe], &g[gs..ge], &d[ds..de], &w)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g), CpuStorage::F16(d)) => {
+                self.rows(&x[xs..xe], &g[gs..ge], &d[ds..de], &w)
+            }
+            _ => candle_core::bail!("norm backward: x, gate and gradient must share a float dtype"),
+        };
+        let n = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        dy: &candle_core::CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (w, wl) = self.weight.storage_and_layout();
+        let candle_core::Storage::Cuda(w) = &*w else {
+            candle_core::bail!("norm backward: the weight is not on the GPU")
+        };
+        super::cuda::rms_bwd((x, xl), (g, gl), (w, wl), (dy, dyl), self.eps, self.gated)
     }
 }
 
@@ -333,12 +479,58 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (2, 7, 3, 64), &dev).unwrap();
         let gate = Tensor::randn(0f32, 2.0, (2, 7, 3, 64), &dev).unwrap();
         let norm = RmsNorm::new(Tensor::randn(1f32, 0.1, 64, &dev).unwrap(), 1e-6, NormWeight::Plain).unwrap();
-        let op = GatedRms { eps: 1e-6 };
+        let op = GatedRms { eps: 1e-6, gated: true };
         let fused = x.apply_op3_no_bwd(&gate, &norm.weight.get().unwrap(), &op).unwrap();
         assert!(max_rel(&fused, &norm.forward_gated_ops(&x, &gate, &norm.weight.get().unwrap()).unwrap()) < 1e-6);
         let (xb, gb) = (x.to_dtype(DType::BF16).unwrap(), gate.to_dtype(DType::BF16).unwrap());
         let fused = xb.apply_op3_no_bwd(&gb, &norm.weight.get().unwrap(), &op).unwrap().to_dtype(DType::F32).unwrap();
         let ops = norm.forward_gated_ops(&xb, &gb, &norm.weight.get().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
         assert!(max_rel(&fused, &ops) < 1e-2);
+    }
+
+    /// The differentiable norm's gradients (its backward, [`RmsBwd`], whose CPU half is the
+    /// reference for `rms_bwd`) equal those of the separate float32 ops, for x, the gate and
+    /// the weight, gated and not, a weight of 1 + w, in float32 and (over the same rounded
+    /// values) bf16.
+    #[test]
+    fn norm_gradients_match_separate_ops() {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        for (gated, kind, dtype) in [
+            (false, NormWeight::Plain, DType::F32),
+            (true, NormWeight::Plain, DType::F32),
+            (false, NormWeight::OnePlus, DType::F32),
+            (true, NormWeight::Plain, DType::BF16),
+            (false, NormWeight::Plain, DType::BF16),
+        ] {
+            let what = format!("gated {gated} {kind:?} {dtype:?}");
+            let round = |t: Tensor| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+            let x = Var::from_tensor(&round(Tensor::randn(0f32, 1.0, (3, 5, 40), &dev).unwrap())).unwrap();
+            let gate = Var::from_tensor(&round(Tensor::randn(0f32, 2.0, (3, 5, 40), &dev).unwrap())).unwrap();
+            let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, 40, &dev).unwrap()).unwrap();
+            let dy = round(Tensor::randn(0f32, 1.0, (3, 5, 40), &dev).unwrap());
+            let norm = RmsNorm::new(w.as_tensor().clone(), 1e-5, kind).unwrap();
+            let applied = norm.weight.get().unwrap();
+            let (xd, gd) = (x.as_tensor().to_dtype(dtype).unwrap(), gate.as_tensor().to_dtype(dtype).unwrap());
+            let fast = rms_grad(&xd, gated.then_some(&gd), &applied, 1e-5).unwrap();
+            let slow = if gated {
+                norm.forward_gated_ops(x.as_tensor(), gate.as_tensor(), &applied).unwrap()
+            } else {
+                norm.forward_ops(x.as_tensor(), &applied).unwrap()
+            };
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            assert!(max_rel(&f(&fast), &slow) < tol, "{what}: forward");
+            let loss = |y: &Tensor| (f(y) * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+            let (gf, gs) = (loss(&fast), loss(&slow));
+            let mut vars = vec![("x", &x), ("w", &w)];
+            if gated {
+                vars.push(("gate", &gate));
+            }
+            for (name, v) in vars {
+                let err = max_rel(gf.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+                assert!(err < tol, "{what} d{name}: {err}");
+            }
+        }
     }
 }

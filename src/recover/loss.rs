@@ -60,7 +60,7 @@ pub fn chunk(
         let t = cfg.temperature;
         let logq = log_softmax(&(&s / t)?, D::Minus1)?;
         let logp_t = log_softmax(&(teacher.to_dtype(DType::F32)?.detach() / t)?, D::Minus1)?;
-        let kl = (logp_t.exp()? * (&logp_t - logq)?)?.sum_all()?;
+        let kl = crate::ops::sum_all(&(logp_t.exp()? * (&logp_t - logq)?)?)?;
         parts.kl = kl.to_scalar::<f32>()? as f64;
         loss = (loss + (kl * (cfg.kd_weight * t * t))?)?;
     }

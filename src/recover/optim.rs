@@ -50,7 +50,7 @@ impl AdamW {
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
     let mut sum = 0f64;
     for g in grads {
-        sum += g.sqr()?.sum_all()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        sum += crate::ops::sum_all(&g.sqr()?)?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
     }
     Ok(sum.sqrt())
 }
