@@ -141,7 +141,11 @@ mod tests {
         let xb = x.to_dtype(DType::BF16)?;
         let fused = xb.apply_op1_no_bwd(&Swiglu)?.to_dtype(DType::F32)?;
         let exact = x_bf16_reference(&xb)?;
-        assert_eq!(fused.flatten_all()?.to_vec1::<f32>()?, exact);
+        // candle's silu and the op's may differ in the last float32 bit, which can move a value
+        // that lies on a bf16 rounding boundary by one bf16 step: allow that, no more.
+        for (a, b) in fused.flatten_all()?.to_vec1::<f32>()?.iter().zip(&exact) {
+            assert!((a - b).abs() <= b.abs() * 2f32.powi(-7), "bf16 swiglu {a} vs {b}");
+        }
         assert!(x.narrow(2, 0, 3)?.apply_op1_no_bwd(&Swiglu).is_err(), "an odd width is not [gate | up]");
         Ok(())
     }
