@@ -523,10 +523,12 @@ impl Calibration {
             let logits = model.forward(&ids, &mut self.collector)?;
             crate::stream::note_device_memory(model.device());
             if self.settings.grad {
-                let logits = logits.narrow(1, 0, len - 1)?.to_dtype(DType::F32)?.reshape((n * (len - 1), ()))?;
+                let logits = logits.narrow(1, 0, len - 1)?.reshape((n * (len - 1), ()))?;
                 let targets = ids.narrow(1, 1, len - 1)?.flatten_all()?;
-                // Σ over sequences of each sequence's mean token loss, as with one sequence per pass.
-                let loss = (candle_nn::loss::cross_entropy(&logits, &targets)? * n as f64)?;
+                // Σ over sequences of each sequence's mean token loss, as with one sequence per
+                // pass; the cross-entropy in one op over the logits, float32 inside.
+                let ce = crate::ops::distill::kd_rows(&logits, None, &targets, 1.0)?.narrow(1, 0, 1)?;
+                let loss = (ce.sum_all()? / (len - 1) as f64)?;
                 let grads = loss.backward()?;
                 for (name, var) in model.grad_vars() {
                     let g = grads.get(var.as_tensor()).ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;

@@ -106,6 +106,16 @@ impl Linear {
 
     /// Whether the forward is the base matmul alone on tensors that track no gradient: what a
     /// fused or stacked path that reads `weight()` directly may stand in for.
+    /// Whether x [B, T, in] takes one batched product: off the CPU, when a gradient flows
+    /// through x or the weight, and for a weight whose rows are contiguous (a column view is
+    /// not).
+    fn batched(&self, x: &Tensor) -> bool {
+        x.rank() == 3
+            && !x.device().is_cpu()
+            && self.weight().is_contiguous()
+            && !crate::ops::untracked(&[x, self.weight()])
+    }
+
     pub fn is_plain(&self) -> bool {
         self.adapter.is_none() && !self.weight().is_variable()
     }
@@ -168,7 +178,17 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _s = crate::profile::span("projections", x.device());
-        let y = self.base.forward(x)?;
+        let y = if self.batched(x) {
+            // One batched product over [B, T, in]: candle's fold into rows adds two reshapes,
+            // and each reshape adds a full-size gradient accumulation to the backward.
+            let y = x.broadcast_matmul(&self.weight().t()?)?;
+            match self.bias() {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            }
+        } else {
+            self.base.forward(x)?
+        };
         let Some(ad) = &self.adapter else { return Ok(y) };
         // (x·Aᵀ)·Bᵀ over the rows of x, in float32: r-wide, never the [out, in] product.
         let dims = x.dims();

@@ -90,12 +90,20 @@ impl Projections {
         Ok(match self {
             Projections::Separate { q, k, v, b, a, z } => {
                 let opt = |p: &Option<Linear>| p.as_ref().map(|p| p.forward(x)).transpose();
-                Projected {
-                    qkv: Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?,
-                    z: opt(z)?,
-                    b: opt(b)?,
-                    a: opt(a)?,
-                }
+                let qkv = [q, k, v];
+                // With gradients on a GPU (trained weights, as in recovery): one product over the
+                // stacked weights, not three and a copy of their outputs, whose backward would add
+                // up each output's gradient again.
+                let stack = !x.device().is_cpu()
+                    && qkv.iter().all(|p| p.adapter().is_none() && p.bias().is_none())
+                    && !crate::ops::untracked(&[x, q.weight(), k.weight(), v.weight()]);
+                let qkv = if stack {
+                    let w = Tensor::cat(&qkv.map(|p| p.weight()), 0)?;
+                    Linear::new(w, None).forward(x)?
+                } else {
+                    Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?
+                };
+                Projected { qkv, z: opt(z)?, b: opt(b)?, a: opt(a)? }
             }
             Projections::QwenSplit { qkv, z, b, a } => Projected {
                 qkv: qkv.forward(x)?,
@@ -233,7 +241,7 @@ impl LinearAttention {
         // the observer's bf16 copies of q and k are made only for an observer that looks.
         let fused = crate::ops::fusable(&[&mixed]);
         let head = |off: usize, heads: usize, w: usize| mixed.narrow(2, off, heads * w)?.reshape((b, t, heads, w));
-        if !(fused && obs.passive()) {
+        if !obs.passive() {
             obs.qk(self.layer, &head(0, d.heads, d.dk)?, &head(kd, d.heads, d.dk)?)?;
         }
         // Gates, β and the L2 norms in float32, as the upstream kernels compute them: bf16 gates
@@ -258,9 +266,10 @@ impl LinearAttention {
             let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
             prep.run(&mixed)?
         } else {
-            let (q, k) = (head(0, d.heads, d.dk)?, head(kd, d.heads, d.dk)?);
-            let q = repeat_heads(&l2_norm(&q.to_dtype(f32)?, L2_EPS)?, d.r())?;
-            let k = repeat_heads(&l2_norm(&k.to_dtype(f32)?, L2_EPS)?, d.r())?;
+            // Cast from the column slice, then split heads: one pass, not a copy and a cast.
+            let head_f32 = |off: usize| mixed.narrow(2, off, kd)?.to_dtype(f32)?.reshape((b, t, d.heads, d.dk));
+            let q = repeat_heads(&l2_norm(&head_f32(0)?, L2_EPS)?, d.r())?;
+            let k = repeat_heads(&l2_norm(&head_f32(kd)?, L2_EPS)?, d.r())?;
             (q, k, head(2 * kd, d.v_heads, d.dv)?)
         };
         let rec = Recurrence {

@@ -11,6 +11,7 @@ mod cuda;
 pub mod decode;
 pub mod delta_rule;
 pub mod derived;
+pub mod distill;
 mod launch;
 pub mod mlp;
 pub mod norm;
@@ -21,10 +22,11 @@ use candle_core::{Layout, Result, Tensor};
 
 /// `lin` on x [.., in]. Off the CPU the leading dimensions are folded into one, so a batch
 /// of single tokens is one matrix product that reads the weight once, not one product per
-/// sequence; the CPU keeps candle's own path, the reference.
+/// sequence; the CPU keeps candle's own path, the reference, and a pass with gradients keeps
+/// the projection's own (whose backward has no reshapes to add up).
 pub fn linear<M: candle_core::Module>(lin: &M, x: &Tensor) -> Result<Tensor> {
     let dims = x.dims();
-    if x.device().is_cpu() || dims.len() < 3 {
+    if x.device().is_cpu() || dims.len() < 3 || !untracked(&[x]) {
         return lin.forward(x);
     }
     let (lead, last) = dims.split_at(dims.len() - 1);
@@ -43,6 +45,50 @@ pub fn sum_all(t: &Tensor) -> Result<Tensor> {
     match cols {
         Some(c) if !t.device().is_cpu() => t.flatten_all()?.reshape((n / c, c))?.sum(1)?.sum_all(),
         _ => t.sum_all(),
+    }
+}
+
+/// A scalar whose gradient with respect to `y` is `g` (its value is 0): the root of the
+/// backward of a recomputed block, seeded with the gradient of the block's output. It stands
+/// for `sum(y · g)`, whose product, sum and their backwards would each pass over the
+/// activations; only `g` times the root's gradient remains.
+pub fn seed_gradient(y: &Tensor, g: &Tensor) -> Result<Tensor> {
+    if y.shape() != g.shape() {
+        candle_core::bail!("seed gradient: output {:?}, gradient {:?}", y.shape(), g.shape());
+    }
+    y.apply_op1(Seed(g.detach()))
+}
+
+struct Seed(Tensor);
+
+impl candle_core::CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "statecut-seed-gradient"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        Ok((candle_core::CpuStorage::F32(vec![0.0]), candle_core::Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::backend::BackendStorage;
+        let dev = y.device().clone();
+        let zero = dev.alloc_zeros::<f32>(1)?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev), candle_core::Shape::from(())))
+    }
+
+    fn bwd(&self, y: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let g = self.0.to_dtype(y.dtype())?;
+        Ok(Some(g.broadcast_mul(&grad.to_dtype(y.dtype())?)?))
     }
 }
 
@@ -203,6 +249,21 @@ mod tests {
         let want = (&p * w.broadcast_sub(&(&p * &w)?.sum_keepdim(1)?)?)?;
         assert!((got - &want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
         assert_eq!(got.to_vec2::<f32>()?[1][4], 0.0);
+        Ok(())
+    }
+
+    /// The seeded scalar gives `y` the gradient g times the root's, as sum(y · g) does.
+    #[test]
+    fn seed_gradient_is_that_of_the_dot_product() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?)?;
+        let g = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+        let y = x.as_tensor().sqr()?;
+        let seeded = (super::seed_gradient(&y, &g)? * 3.0)?.backward()?;
+        let dot = ((&y * &g)?.sum_all()? * 3.0)?.backward()?;
+        let (a, b) = (seeded.get(x.as_tensor()).expect("seeded"), dot.get(x.as_tensor()).expect("dot"));
+        assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        assert!(super::seed_gradient(&y, &g.narrow(2, 0, 3)?).is_err());
         Ok(())
     }
 

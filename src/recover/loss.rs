@@ -4,8 +4,7 @@
 //! 248k vocabulary over a whole batch would outweigh the model.
 
 use anyhow::Result;
-use candle_core::{DType, Tensor, D};
-use candle_nn::ops::log_softmax;
+use candle_core::Tensor;
 
 /// The loss's weights and temperature.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
@@ -51,20 +50,15 @@ pub fn chunk(
     cfg: &KdConfig,
     scale: f64,
 ) -> Result<(Tensor, Parts)> {
-    let s = student.to_dtype(DType::F32)?;
-    let logp = log_softmax(&s, D::Minus1)?;
-    let ce = logp.gather(&targets.unsqueeze(1)?, 1)?.neg()?.sum_all()?;
-    let mut loss = (&ce * cfg.lm_weight)?;
-    let mut parts = Parts { ce: ce.to_scalar::<f32>()? as f64, kl: 0.0, tokens: s.dim(0)? };
-    if cfg.kd_weight > 0.0 {
-        let t = cfg.temperature;
-        let logq = log_softmax(&(&s / t)?, D::Minus1)?;
-        let logp_t = log_softmax(&(teacher.to_dtype(DType::F32)?.detach() / t)?, D::Minus1)?;
-        let kl = crate::ops::sum_all(&(logp_t.exp()? * (&logp_t - logq)?)?)?;
-        parts.kl = kl.to_scalar::<f32>()? as f64;
-        loss = (loss + (kl * (cfg.kd_weight * t * t))?)?;
-    }
-    Ok(((loss * scale)?, parts))
+    let kd = cfg.kd_weight > 0.0;
+    // Per row (ce, kl) from one op over the logits, float32 inside.
+    let rows = crate::ops::distill::kd_rows(student, kd.then_some(teacher), targets, cfg.temperature)?;
+    let sums = rows.sum(0)?;
+    let t2 = cfg.temperature * cfg.temperature;
+    let weights = Tensor::new(&[cfg.lm_weight as f32, (cfg.kd_weight * t2) as f32], sums.device())?;
+    let loss = ((&sums * &weights)?.sum_all()? * scale)?;
+    let [ce, kl]: [f32; 2] = sums.to_vec1::<f32>()?.try_into().map_err(|_| anyhow::anyhow!("two sums"))?;
+    Ok((loss, Parts { ce: ce as f64, kl: kl as f64, tokens: rows.dim(0)? }))
 }
 
 #[cfg(test)]

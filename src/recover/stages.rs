@@ -115,7 +115,7 @@ pub fn train_pass(
         drop(input);
         let y =
             student.blocks[i].forward(x.as_tensor(), &mut NoObserver, None).with_context(|| format!("layer {i}"))?;
-        let grads = crate::ops::sum_all(&(y * &g)?)?.backward()?;
+        let grads = crate::ops::seed_gradient(&y, &g)?.backward()?;
         accumulate(vars, &grads, acc)?;
         if i > 0 {
             g = grads
