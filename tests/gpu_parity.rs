@@ -687,6 +687,18 @@ fn conv_and_norm_gradients_match_cpu() {
             SwiGlu::stacked(gate_up, down).unwrap().forward(&t[0].to_dtype(dt).unwrap()).unwrap()
         };
         compare("swiglu", dtype, &[rand(&[3, 70, 64], 9)], &rand(&[3, 70, 64], 12), &mlp);
+        // A frozen projection (a row view of a wider weight) on a trained input, with a bias.
+        let proj = |t: &[Tensor], dt: DType| {
+            let dev = t[0].device();
+            let w = (rand(&[50, 96], 15) * 0.2).unwrap().narrow(0, 3, 40).unwrap();
+            let b = rand(&[40], 16);
+            let lin = statecut::layers::linear::Linear::new(
+                w.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+                Some(b.to_dtype(dt).unwrap().to_device(dev).unwrap()),
+            );
+            candle_core::Module::forward(&lin, &t[0].to_dtype(dt).unwrap()).unwrap()
+        };
+        compare("frozen projection", dtype, &[rand(&[3, 70, 96], 17)], &rand(&[3, 70, 40], 18), &proj);
     }
 }
 

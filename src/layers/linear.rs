@@ -106,6 +106,15 @@ impl Linear {
 
     /// Whether the forward is the base matmul alone on tensors that track no gradient: what a
     /// fused or stacked path that reads `weight()` directly may stand in for.
+    /// Whether x takes [`crate::ops::projection::frozen_linear`]: off the CPU, a gradient flowing
+    /// through x and none into a weight with contiguous rows.
+    fn frozen_under_gradient(&self, x: &Tensor) -> bool {
+        !x.device().is_cpu()
+            && self.weight().is_contiguous()
+            && !crate::ops::untracked(&[x])
+            && crate::ops::untracked(&[self.weight()])
+    }
+
     /// Whether x [B, T, in] takes one batched product: off the CPU, when a gradient flows
     /// through x or the weight, and for a weight whose rows are contiguous (a column view is
     /// not).
@@ -178,10 +187,19 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _s = crate::profile::span("projections", x.device());
-        let y = if self.batched(x) {
-            // One batched product over [B, T, in]: candle's fold into rows adds two reshapes,
-            // and each reshape adds a full-size gradient accumulation to the backward.
-            let y = x.broadcast_matmul(&self.weight().t()?)?;
+        let y = if self.frozen_under_gradient(x) {
+            // The weight takes no gradient: candle's matmul backward would compute it anyway.
+            let y = crate::ops::projection::frozen_linear(x, self.weight())?;
+            match self.bias() {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            }
+        } else if self.batched(x) {
+            // One batched product over [B, T, in] against the weight broadcast in place (batch
+            // stride 0): candle's fold into rows adds two reshapes, and each reshape adds a
+            // full-size gradient accumulation to the backward; `broadcast_matmul` would copy
+            // the weight once per sequence.
+            let y = x.matmul(&self.weight().broadcast_left(x.dim(0)?)?.t()?)?;
             match self.bias() {
                 Some(b) => y.broadcast_add(b)?,
                 None => y,

@@ -16,6 +16,7 @@ mod launch;
 pub mod mlp;
 pub mod norm;
 pub mod prep;
+pub mod projection;
 mod recurrence;
 
 use candle_core::{Layout, Result, Tensor};
@@ -87,8 +88,15 @@ impl candle_core::CustomOp1 for Seed {
     }
 
     fn bwd(&self, y: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // The root's gradient is one float (1 at the root of a backward): read it rather than
+        // broadcast a product over the activations.
+        let s = grad.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let g = self.0.to_dtype(y.dtype())?;
-        Ok(Some(g.broadcast_mul(&grad.to_dtype(y.dtype())?)?))
+        match s.as_slice() {
+            [1.0] => Ok(Some(g)),
+            [s] => Ok(Some((g * *s as f64)?)),
+            _ => candle_core::bail!("seed gradient: the root's gradient is not a scalar"),
+        }
     }
 }
 

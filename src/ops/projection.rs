@@ -1,0 +1,103 @@
+//! A projection by a frozen weight, differentiable in its input only. candle's matmul backward
+//! computes the gradient of both operands whatever needs them: behind a frozen weight that is a
+//! full product over the batch and a weight-sized sum per projection, thrown away.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+
+/// x [.., in] · wᵀ for a weight [out, in] with contiguous rows that takes no gradient: one
+/// product forward, one (dx = dy · w) backward. The leading dimensions fold into rows inside the
+/// op, so the graph holds no reshapes either.
+pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    if x.dims().last() != Some(&inp) || !w.is_contiguous() {
+        candle_core::bail!("frozen projection: input {:?}, weight [{out}, {inp}] (contiguous rows)", x.shape());
+    }
+    x.contiguous()?.apply_op1(FrozenLinear(w.detach()))
+}
+
+struct FrozenLinear(Tensor);
+
+/// One product: its sizes (batch, m, n, k), the two operands' layouts and the output's shape.
+type Plan = ((usize, usize, usize, usize), Layout, Layout, Shape);
+
+impl FrozenLinear {
+    /// The product's sizes (1, rows, out, in), x's rows as a [rows, in] layout at its offset, the
+    /// weight's transpose [in, out], and the output's shape.
+    fn plan(&self, l: &Layout) -> Result<Plan> {
+        let (out, inp) = self.0.dims2()?;
+        let rows = l.shape().elem_count() / inp.max(1);
+        let (start, _) = super::contiguous(l, "frozen projection")?;
+        let lhs = Layout::contiguous_with_offset((rows, inp), start);
+        let rhs = self.0.layout().transpose(0, 1)?;
+        let mut dims = l.dims().to_vec();
+        *dims.last_mut().expect("checked: x has a last dimension") = out;
+        Ok(((1, rows, out, inp), lhs, rhs, Shape::from(dims)))
+    }
+}
+
+impl CustomOp1 for FrozenLinear {
+    fn name(&self) -> &'static str {
+        "statecut-frozen-linear"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (bmnk, lhs, rhs, shape) = self.plan(l)?;
+        let (w, _) = self.0.storage_and_layout();
+        let Storage::Cpu(w) = &*w else { candle_core::bail!("frozen projection: the weight is not on the CPU") };
+        Ok((x.matmul(w, bmnk, &lhs, &rhs)?, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (bmnk, lhs, rhs, shape) = self.plan(l)?;
+        let (w, _) = self.0.storage_and_layout();
+        let Storage::Cuda(w) = &*w else { candle_core::bail!("frozen projection: the weight is not on the GPU") };
+        Ok((x.matmul(w, bmnk, &lhs, &rhs)?, shape))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let out = self.0.dim(0)?;
+        let rows = grad.elem_count() / out.max(1);
+        let dx = grad.contiguous()?.reshape((rows, out))?.matmul(&self.0)?;
+        Ok(Some(dx.reshape(x.shape())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    /// The op's output and input gradient equal candle's matmul's, for 2-D and 3-D inputs, a
+    /// weight that is a row view of a wider one, in float32 and bf16; a column view is refused.
+    #[test]
+    fn frozen_linear_matches_matmul() -> Result<()> {
+        let dev = Device::Cpu;
+        let wide = Tensor::randn(0f32, 1.0, (9, 6), &dev)?;
+        let w = wide.narrow(0, 2, 5)?;
+        for dtype in [DType::F32, DType::BF16] {
+            for shape in [vec![7, 6], vec![2, 3, 6]] {
+                let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape.as_slice(), &dev)?.to_dtype(dtype)?)?;
+                let wd = w.to_dtype(dtype)?;
+                let mut out = shape.clone();
+                *out.last_mut().unwrap() = 5;
+                let dy = Tensor::randn(0f32, 1.0, out.as_slice(), &dev)?;
+                let tol = if dtype == DType::F32 { 1e-5 } else { 5e-2 };
+                let fast = frozen_linear(x.as_tensor(), &wd)?;
+                let slow = x.as_tensor().broadcast_matmul(&wd.t()?)?;
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let err = (f(&fast)? - f(&slow)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(err < tol, "{dtype:?} {shape:?}: outputs differ by {err}");
+                let grad = |y: &Tensor| -> Result<Tensor> {
+                    let g = (f(y)? * &dy)?.sum_all()?.backward()?;
+                    f(g.get(x.as_tensor()).expect("dx"))
+                };
+                let err = (grad(&fast)? - grad(&slow)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(err < tol, "{dtype:?} {shape:?}: input gradients differ by {err}");
+            }
+        }
+        assert!(frozen_linear(&Tensor::zeros((2, 3), DType::F32, &dev)?, &wide.narrow(1, 0, 3)?).is_err());
+        Ok(())
+    }
+}
