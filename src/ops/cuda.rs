@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{ChunkLayout, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, MAX_DK, TILE};
+use super::launch::{ChunkLayout, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, KD_STATS, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -551,7 +551,7 @@ pub fn kd_rows(
             let sv = view::<$ty>(s, "distillation loss student")?;
             let tv = view::<$ty>(t, "distillation loss teacher")?;
             // SAFETY: the kernel writes all r x 5 outputs.
-            let out = unsafe { dev.alloc::<f32>(r * super::distill::STATS)? };
+            let out = unsafe { dev.alloc::<f32>(r * KD_STATS)? };
             let func = function(&dev, $name)?;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);

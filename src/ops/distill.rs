@@ -6,9 +6,9 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
-/// Columns of the op's output per row: ce, kl, then the log-sum-exps the backward reads
-/// (student at 1, student at T, teacher at T).
-pub(crate) const STATS: usize = 5;
+// Columns of the op's output per row: ce, kl, then the log-sum-exps the backward reads
+// (student at 1, student at T, teacher at T).
+use super::launch::KD_STATS as STATS;
 
 /// Per-row (ce, kl) [R, 2] float32 of student logits [R, V] against targets [R] (u32) and,
 /// with a teacher [R, V] (same dtype), KL(softmax(t/T) ‖ softmax(s/T)) at `temperature`

@@ -31,6 +31,11 @@ pub(crate) const TILE: usize = 32;
 /// memory.
 pub(crate) const MAX_DK: usize = 256;
 
+/// Columns per row of the distillation loss op's output (ce, kl, then the log-sum-exps of the
+/// student at 1 and at T and of the teacher at T; see `ops::distill` and `kd_rows` in
+/// kernels.cu).
+pub(crate) const KD_STATS: usize = 5;
+
 /// Sizes of one walk: N chunks of C steps for BH heads.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WalkDims {
