@@ -104,8 +104,6 @@ impl Linear {
         self.base.bias()
     }
 
-    /// Whether the forward is the base matmul alone on tensors that track no gradient: what a
-    /// fused or stacked path that reads `weight()` directly may stand in for.
     /// Whether x takes [`crate::ops::projection::frozen_linear`]: off the CPU, a gradient flowing
     /// through x and none into a weight with contiguous rows.
     fn frozen_under_gradient(&self, x: &Tensor) -> bool {
@@ -125,6 +123,8 @@ impl Linear {
             && !crate::ops::untracked(&[x, self.weight()])
     }
 
+    /// Whether the forward is the base matmul alone on tensors that track no gradient: what a
+    /// fused or stacked path that reads `weight()` directly may stand in for.
     pub fn is_plain(&self) -> bool {
         self.adapter.is_none() && !self.weight().is_variable()
     }
