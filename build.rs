@@ -9,11 +9,17 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     println!("cargo::rerun-if-changed=src/ops/kernels.cu");
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo::rustc-check-cfg=cfg(tensor_cores)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.fatbin");
     let cap = env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    // The chunk kernels' `_tc` forms use mma.sync on TF32, which needs compute capability 8.0;
+    // the binary runs only on GPUs at least as new as the one it was built for.
+    if cap.parse::<u32>().is_ok_and(|c| c >= 80) {
+        println!("cargo::rustc-cfg=tensor_cores");
+    }
     let sass = format!("arch=compute_{cap},code=sm_{cap}");
     let ptx = format!("arch=compute_{cap},code=compute_{cap}");
     let nvcc = env::var("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).unwrap_or_else(|_| "nvcc".into());

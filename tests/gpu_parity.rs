@@ -245,6 +245,7 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
         (20, 20),
         (8, 8),
     ];
+    let mut worst_bf16 = 0f64;
     for (dk, dv) in shapes {
         for t in [1, 77] {
             // decay 0: none, 1: per step, 2: per step and per key channel, 3: per key channel only
@@ -259,9 +260,11 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                     let g = (candle_nn::ops::sigmoid(&rand(&[b, t, h])).unwrap() * -0.5).unwrap();
                     let gk = (candle_nn::ops::sigmoid(&rand(&[b, t, h, dk])).unwrap() * -0.3).unwrap();
                     let s0 = (rand(&[b, h, dk, dv]) * 0.1).unwrap();
-                    let run = |dev: &Device, kernel: Kernel| {
+                    // `vdt`: the values' dtype (bf16 values take the chunk kernels' tensor-core form).
+                    let run_as = |dev: &Device, kernel: Kernel, (q, k, v): (&Tensor, &Tensor, &Tensor), vdt: DType| {
                         let on = |x: &Tensor| x.to_device(dev).unwrap();
-                        let (q, k, v, beta, g, gk, s0) = (on(&q), on(&k), on(&v), on(&beta), on(&g), on(&gk), on(&s0));
+                        let v = on(v).to_dtype(vdt).unwrap();
+                        let (q, k, beta, g, gk, s0) = (on(q), on(k), on(&beta), on(&g), on(&gk), on(&s0));
                         let rec = Recurrence {
                             q: &q,
                             k: &k,
@@ -276,6 +279,7 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                         let (o, s) = Kernel::scoped(kernel, || rec.forward_with_state()).unwrap();
                         (flat(&o), flat(&s))
                     };
+                    let run = |dev: &Device, kernel: Kernel| run_as(dev, kernel, (&q, &k, &v), DType::F32);
                     let (o_ref, s_ref) = run(&cpu, Kernel::Sequential);
                     let (o, s) = run(&gpu, Kernel::Fused);
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
@@ -292,12 +296,25 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                             eo < 1e-5 && es < 1e-5,
                             "{what} chunk kernels: outputs differ by {eo:.3e}, state by {es:.3e}"
                         );
+                        // bf16 inputs: the products on tensor cores (TF32 operands), against the
+                        // CPU's kernel on the same rounded inputs, within half a bf16 step.
+                        let round = |x: &Tensor| x.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+                        let qkv = (&round(&q), &round(&k), &round(&v));
+                        let (o_ref, s_ref) = run_as(&cpu, Kernel::Sequential, qkv, DType::F32);
+                        let (o, s) = run_as(&gpu, Kernel::ChunkedKernels, qkv, DType::BF16);
+                        let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
+                        assert!(
+                            eo < 4e-3 && es < 4e-3,
+                            "{what} chunk kernels, bf16 values: outputs differ by {eo:.3e}, state by {es:.3e}"
+                        );
+                        worst_bf16 = worst_bf16.max(eo).max(es);
                     }
                 }
             }
         }
         eprintln!("recurrence dk {dk} dv {dv}: cuda fused and chunked forms (and chunk kernels) match the cpu kernel");
     }
+    eprintln!("chunk kernels with bf16 values: largest relative difference {worst_bf16:.2e}");
 }
 
 /// The chunk kernels' gradients on the GPU (float32 and bf16 inputs) against the composed

@@ -40,11 +40,17 @@ impl IntraDims {
 
 /// W [N,BH,C,dv] then Kc [N,BH,C,dk], float32 and flat in one buffer (as the walk reads them),
 /// differentiable in every input: k [N,BH,C,dk], v [N,BH,C,dv], β [N,BH,C] and γ [N,BH,C] (no
-/// decay without it).
-pub(crate) fn solve_flat(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor>) -> Result<Tensor> {
+/// decay without it). `tensor`: see [`IntraDims::tensor`].
+pub(crate) fn solve_flat(
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    gamma: Option<&Tensor>,
+    tensor: bool,
+) -> Result<Tensor> {
     let (n, bh, c, dk) = k.dims4()?;
     let dv = v.dim(3)?;
-    let d = IntraDims { n, bh, c, dk, dv };
+    let d = IntraDims { n, bh, c, dk, dv, tensor };
     let f32 = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
     let gamma = match gamma {
         Some(g) => f32(g)?,
@@ -59,7 +65,7 @@ pub(crate) fn solve_flat(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&T
 pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let (n, bh, c, dk) = k.dims4()?;
     let dv = v.dim(3)?;
-    let out = solve_flat(k, v, beta, gamma)?;
+    let out = solve_flat(k, v, beta, gamma, false)?;
     let w = out.narrow(0, 0, n * bh * c * dv)?.reshape((n, bh, c, dv))?;
     let kc = out.narrow(0, n * bh * c * dv, n * bh * c * dk)?.reshape((n, bh, c, dk))?;
     Ok((w, kc))

@@ -39,10 +39,17 @@ impl OutDims {
 
 /// O [N,BH,C,dv] float32, differentiable in every input: qk [N,BH,C,2dk] (queries then keys, the
 /// queries unscaled), `walked` the walk's flat output (U [N,BH,C,dv] then the states
-/// [N+1,BH,dk,dv]) and γ [N,BH,C] (no decay without it).
-pub(crate) fn output(qk: &Tensor, walked: &Tensor, gamma: Option<&Tensor>, scale: f32, dv: usize) -> Result<Tensor> {
+/// [N+1,BH,dk,dv]) and γ [N,BH,C] (no decay without it). `tensor`: see [`OutDims::tensor`].
+pub(crate) fn output(
+    qk: &Tensor,
+    walked: &Tensor,
+    gamma: Option<&Tensor>,
+    scale: f32,
+    dv: usize,
+    tensor: bool,
+) -> Result<Tensor> {
     let (n, bh, c, dk2) = qk.dims4()?;
-    let d = OutDims { n, bh, c, dk: dk2 / 2, dv, scale };
+    let d = OutDims { n, bh, c, dk: dk2 / 2, dv, scale, tensor };
     let gamma = match gamma {
         Some(g) => g.to_dtype(DType::F32)?.contiguous()?,
         None => Tensor::zeros((n, bh, c), DType::F32, qk.device())?,
@@ -295,7 +302,8 @@ mod tests {
                 let go = Tensor::randn(0f32, 1.0, (n, bh, c, dv), &dev).unwrap();
                 let run = |fast: bool| {
                     let o = if fast {
-                        output(qk.as_tensor(), walked.as_tensor(), gated.then(|| gamma.as_tensor()), 0.7, dv).unwrap()
+                        output(qk.as_tensor(), walked.as_tensor(), gated.then(|| gamma.as_tensor()), 0.7, dv, false)
+                            .unwrap()
                     } else {
                         composed(qk.as_tensor(), walked.as_tensor(), gamma.as_tensor(), 0.7, dv)
                     };

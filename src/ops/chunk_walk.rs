@@ -67,6 +67,8 @@ pub(crate) struct WalkIn<'a> {
     pub e: &'a Tensor,
     pub s0: &'a Tensor,
     pub a: &'a Tensor,
+    /// See [`WalkDims::tensor`].
+    pub tensor: bool,
 }
 
 /// W and Kc as the walk's flat `wkc` input, from separate tensors.
@@ -90,7 +92,7 @@ pub(crate) fn walk(x: &WalkIn) -> Result<(Tensor, Tensor)> {
 pub(crate) fn walk_flat(x: &WalkIn) -> Result<(Tensor, WalkDims)> {
     let (n, bh, c, dk) = x.k.dims4()?;
     let dv = x.s0.dim(2)?;
-    let d = WalkDims { n, bh, c, dk, dv, delta: x.delta };
+    let d = WalkDims { n, bh, c, dk, dv, delta: x.delta, tensor: x.tensor };
     let extra = Tensor::cat(&[x.s0.flatten_all()?, x.a.flatten_all()?, x.e.flatten_all()?], 0)?;
     Ok((x.wkc.contiguous()?.apply_op3(&x.k.contiguous()?, &extra, Walk(d))?, d))
 }
@@ -391,6 +393,7 @@ mod tests {
                             e: e.as_tensor(),
                             s0: s0.as_tensor(),
                             a: a.as_tensor(),
+                            tensor: false,
                         };
                         walk(&x).unwrap()
                     } else {

@@ -158,6 +158,7 @@ fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
     let n = t.div_ceil(c);
     let mark = |stage| crate::profile::mark(stage, rec.q.device());
     mark("chunked: before");
+    let tensor = tensor_cores(rec);
     // Queries and keys side by side for the outputs op (which applies the queries' scale), the
     // keys alone for the solve and the walk.
     let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
@@ -170,7 +171,7 @@ fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
     // W | Kc as the solve returns them, flat: the walk reads them there.
     let wkc = match rec.rule {
         Rule::Plain => v.broadcast_mul(&beta.unsqueeze(3)?)?.flatten_all()?,
-        Rule::Delta => super::chunk_intra::solve_flat(&k, &v, &beta, gamma.as_ref())?,
+        Rule::Delta => super::chunk_intra::solve_flat(&k, &v, &beta, gamma.as_ref(), tensor)?,
     };
     mark("chunked: W and Kc");
     // Kend = diag(e^{γ_C − γ}) K, and the state's rows decay by e^{γ_C} over a chunk.
@@ -185,15 +186,23 @@ fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
         }
     };
     let s0 = initial_state(rec, DType::F32)?;
-    let x = WalkIn { wkc: &wkc, delta: rec.rule == Rule::Delta, k: &k, e: &e, s0: &s0, a: &rows };
+    let x = WalkIn { wkc: &wkc, delta: rec.rule == Rule::Delta, k: &k, e: &e, s0: &s0, a: &rows, tensor };
     let (walked, walk) = super::chunk_walk::walk_flat(&x)?;
     mark("chunked: walk");
-    let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv)?;
+    let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv, tensor)?;
     mark("chunked: outputs");
     let o = from_chunks(&o, b, t, h, DType::F32)?;
     let state = super::chunk_walk::final_state(&walked, &walk)?;
     mark("chunked: output layout");
     Ok((o, state.reshape((b, h, dk, dv))?))
+}
+
+/// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype
+/// (the model's), coarser than the TF32 operands the tensor cores round every input to. (A
+/// model's q and k may arrive in float32, L2-normalised in float32 from 16-bit projections.)
+/// Float32 values keep float32 products throughout.
+fn tensor_cores(rec: &Recurrence) -> bool {
+    rec.v.dtype() != DType::F32
 }
 
 /// The state the recurrence starts from, [B·H, dk, dv] in `dtype`: the given one or zeros.
@@ -254,7 +263,8 @@ fn walked(
     let (n, bh, c, _) = kend.dims4()?;
     let wkc = super::chunk_walk::pack(w, kc)?;
     let ones = Tensor::ones((n, bh, c), DType::F32, w.device())?;
-    let x = WalkIn { wkc: &wkc, delta: kc.is_some(), k: kend, e: &ones, s0, a: rows };
+    let tensor = tensor_cores(rec);
+    let x = WalkIn { wkc: &wkc, delta: kc.is_some(), k: kend, e: &ones, s0, a: rows, tensor };
     let (u, states) = super::chunk_walk::walk(&x)?;
     mark("chunked: walk");
     let o = (q_decayed.matmul(&states.narrow(0, 0, n)?)? + qk.matmul(&u)?)?; // [N,BH,C,dv]

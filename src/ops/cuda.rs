@@ -805,7 +805,7 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, "chunk_walk_fwd_f32")?;
+    let func = function(&dev, if walk_tensor(d) { "chunk_walk_fwd_tc" } else { "chunk_walk_fwd_f32" })?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -821,9 +821,21 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
 }
 
 /// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
-/// staged keys from a 16-byte boundary.
+/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of them, at a padded stride).
 fn walk_smem(d: &WalkDims) -> usize {
+    if walk_tensor(d) {
+        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4)) * 4;
+    }
     (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
+}
+
+/// Row stride of the tensor-core walk's state tiles (`TC_SW` in kernels.cu).
+const TC_STATE_STRIDE: usize = 40;
+
+/// Whether the walk runs on tensor cores: 16-bit inputs (see `WalkDims::tensor`), a GPU that has
+/// them, and a key width in whole 16-row tiles.
+fn walk_tensor(d: &WalkDims) -> bool {
+    cfg!(tensor_cores) && d.tensor && d.dk.is_multiple_of(16)
 }
 
 /// The walk's extra input split into S₀, the per-row decays a and the per-token key scales e.
@@ -851,7 +863,7 @@ pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: I
     let (dw, gend, ds0) = (out.slice(..lu), out.slice(lu..lu + lg), out.slice(lu + lg..));
     // G's and dU's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, "chunk_walk_bwd_f32")?;
+    let func = function(&dev, if walk_tensor(d) { "chunk_walk_bwd_tc" } else { "chunk_walk_bwd_f32" })?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -867,10 +879,22 @@ pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: I
 }
 
 /// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
-/// four backward), one or two column tiles, and its per-token scalars (three, five).
-fn intra_smem(backward: bool) -> usize {
-    let (sq, tile) = (64 * 65, 64 * 33);
-    4 * if backward { 4 * sq + 2 * tile + 5 * 64 } else { 2 * sq + tile + 3 * 64 }
+/// four backward), one or two column tiles, and its per-token scalars (three, five). On tensor
+/// cores the strides are 68 and 36, with two forward tiles and three backward.
+fn intra_smem(backward: bool, tensor: bool) -> usize {
+    let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
+    let tiles = if tensor { 1 } else { 0 } + if backward { 2 } else { 1 };
+    4 * if backward { 4 * sq + tiles * tile + 5 * 64 } else { 2 * sq + tiles * tile + 3 * 64 }
+}
+
+/// A chunk kernel's name: its `_tc` form for 16-bit inputs on a GPU with tensor cores.
+fn chunk_kernel(base: &str, tensor: bool) -> String {
+    format!("{base}_{}", if cfg!(tensor_cores) && tensor { "tc" } else { "f32" })
+}
+
+/// Whether a chunk kernel runs in its `_tc` form.
+fn chunk_tensor(tensor: bool) -> bool {
+    cfg!(tensor_cores) && tensor
 }
 
 /// One block of 256 threads per chunk and head (the chunk ops' grid), with `smem` bytes of
@@ -884,7 +908,8 @@ fn chunk_config(n: usize, bh: usize, c: usize, smem: usize, what: &str) -> Resul
 
 /// `chunk_intra_fwd_f32`: W then Kc, flat (see `ops::chunk_intra`).
 pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
-    let cfg = chunk_config(d.n, d.bh, d.c, intra_smem(false), "chunk solve")?;
+    let smem = intra_smem(false, chunk_tensor(d.tensor));
+    let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve")?;
     let dev = k.0.device().clone();
     let (k, v, scal) =
         (view::<f32>(k, "chunk solve")?, view::<f32>(v, "chunk solve")?, view::<f32>(scal, "chunk solve")?);
@@ -892,8 +917,8 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
     // SAFETY: the kernel writes every element of W and Kc.
     let out = unsafe { dev.alloc::<f32>(lw + lk)? };
     let (w, kc) = (out.slice(..lw), out.slice(lw..));
-    let func = function(&dev, "chunk_intra_fwd_f32")?;
-    shared_memory(&func, intra_smem(false))?;
+    let func = function(&dev, &chunk_kernel("chunk_intra_fwd", d.tensor))?;
+    shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -909,7 +934,8 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
 
 /// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat (see `ops::chunk_intra`).
 pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
-    let cfg = chunk_config(d.n, d.bh, d.c, intra_smem(true), "chunk solve backward")?;
+    let smem = intra_smem(true, chunk_tensor(d.tensor));
+    let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve backward")?;
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk solve backward")?;
     let (k, v, scal) =
@@ -917,8 +943,8 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
     let n = d.n * d.bh * d.c * (d.dk + d.dv + 2);
     // SAFETY: the kernel writes every element of dk, dv, dβ and dγ.
     let out = unsafe { dev.alloc::<f32>(n)? };
-    let func = function(&dev, "chunk_intra_bwd_f32")?;
-    shared_memory(&func, intra_smem(true))?;
+    let func = function(&dev, &chunk_kernel("chunk_intra_bwd", d.tensor))?;
+    shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -933,22 +959,25 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
 }
 
 /// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
-/// tiles, and one (three) per-token scalars.
-fn out_smem(backward: bool) -> usize {
-    let (sq, tile) = (64 * 65, 64 * 33);
-    4 * if backward { 2 * sq + 2 * tile + 3 * 64 } else { sq + 2 * tile + 64 }
+/// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36, with a
+/// third backward tile and a second forward scalar.
+fn out_smem(backward: bool, tensor: bool) -> usize {
+    let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
+    let t = usize::from(tensor);
+    4 * if backward { 2 * sq + (2 + t) * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
 }
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).
 pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<(CudaStorage, Shape)> {
-    let cfg = chunk_config(d.n, d.bh, d.c, out_smem(false), "chunk outputs")?;
+    let smem = out_smem(false, chunk_tensor(d.tensor));
+    let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs")?;
     let dev = qk.0.device().clone();
     let what = "chunk outputs";
     let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
     // SAFETY: the kernel writes every element of O.
     let out = unsafe { dev.alloc::<f32>(d.o_len())? };
-    let func = function(&dev, "chunk_out_fwd_f32")?;
-    shared_memory(&func, out_smem(false))?;
+    let func = function(&dev, &chunk_kernel("chunk_out_fwd", d.tensor))?;
+    shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -971,7 +1000,8 @@ pub fn chunk_out_back(
     walked: Input,
     gamma: Input,
 ) -> Result<(CudaStorage, Shape)> {
-    let cfg = chunk_config(d.n, d.bh, d.c, out_smem(true), "chunk outputs backward")?;
+    let smem = out_smem(true, chunk_tensor(d.tensor));
+    let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs backward")?;
     let dev = grad.0.device().clone();
     let what = "chunk outputs";
     let grad = view::<f32>(grad, "chunk outputs backward")?;
@@ -979,8 +1009,8 @@ pub fn chunk_out_back(
     let n = d.qk_len() + d.walked_len() + d.scalars();
     // Zeroed: O does not read the last state, whose gradient the kernel leaves as it is.
     let out = dev.alloc_zeros::<f32>(n)?;
-    let func = function(&dev, "chunk_out_bwd_f32")?;
-    shared_memory(&func, out_smem(true))?;
+    let func = function(&dev, &chunk_kernel("chunk_out_bwd", d.tensor))?;
+    shared_memory(&func, smem)?;
     let (blocks, walked_len) = ((d.n * d.bh) as i64, d.walked_len() as i64);
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();

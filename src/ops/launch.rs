@@ -46,6 +46,10 @@ pub(crate) struct WalkDims {
     pub dv: usize,
     /// Whether a Kc term is subtracted (the delta rule); the plain rule has none.
     pub delta: bool,
+    /// Whether the GPU may run the products on tensor cores (TF32 operands, float32 sums): the
+    /// recurrence's inputs were bf16 or f16, so their rounding already exceeds TF32's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub tensor: bool,
 }
 
 /// Sizes of one intra-chunk solve: N chunks of C tokens for BH heads.
@@ -56,6 +60,10 @@ pub(crate) struct IntraDims {
     pub c: usize,
     pub dk: usize,
     pub dv: usize,
+    /// Whether the GPU may run the products on tensor cores (TF32 operands, float32 sums): the
+    /// recurrence's inputs were bf16 or f16, so their rounding already exceeds TF32's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub tensor: bool,
 }
 
 /// Sizes of one chunk-outputs op: N chunks of C tokens for BH heads, and the query scale.
@@ -67,6 +75,10 @@ pub(crate) struct OutDims {
     pub dk: usize,
     pub dv: usize,
     pub scale: f32,
+    /// Whether the GPU may run the products on tensor cores (TF32 operands, float32 sums): the
+    /// recurrence's inputs were bf16 or f16, so their rounding already exceeds TF32's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub tensor: bool,
 }
 
 /// Where a model-layout tensor [B,T,H,d] sits in a chunk-layout one [N,B·H,C,width] (N = ⌈T/C⌉,
