@@ -712,13 +712,14 @@ fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
     Ok(())
 }
 
-/// A grid-strided elementwise launch over `total` elements, 256 threads a block.
-fn strided_config(total: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (total.div_ceil(256).clamp(1, 1 << 20) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
+/// Rows of a layout kernel's output, which its 32-bit row arithmetic must hold.
+fn layout_rows(rows: usize) -> Result<i32> {
+    i32::try_from(rows).map_err(|_| candle_core::Error::Msg(format!("chunk layout: {rows} rows, above 2^31")))
+}
+
+/// A layout kernel's launch: 32 threads along a row, `LAYOUT_ROWS` (8) rows a block.
+fn layout_config(rows: i32) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((rows as u32).div_ceil(8), 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 }
 }
 
 /// `to_chunks_*`: each model-layout input into its columns of one chunk-layout float32 buffer
@@ -731,7 +732,7 @@ pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
     let out = unsafe { dev.alloc::<f32>(first.chunk_len())? };
     for (l, x) in parts {
         let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
-        let total = (l.n() * l.b * l.h * l.c * l.d) as i64;
+        let rows = layout_rows(l.n() * l.b * l.h * l.c)?;
         macro_rules! launch {
             ($ty:ty, $name:expr) => {{
                 let xv = view::<$ty>(*x, "to chunks")?;
@@ -742,9 +743,9 @@ pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
                 for v in &ints {
                     builder.arg(v);
                 }
-                builder.arg(&total);
+                builder.arg(&rows);
                 // SAFETY: argument list matches `to_chunks_*` in kernels.cu; out sized by the layout.
-                unsafe { builder.launch(strided_config(total as usize)) }.w()?;
+                unsafe { builder.launch(layout_config(rows)) }.w()?;
             }};
         }
         per_dtype!(x.0.dtype(), "to_chunks", "to chunks", launch);
@@ -758,7 +759,7 @@ pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorag
     let dev = y.0.device().clone();
     let yv = view::<f32>(y, "from chunks")?;
     let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
-    let total = l.model_len() as i64;
+    let rows = layout_rows(l.b * l.t * l.h)?;
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             // SAFETY: the kernel writes every model-layout element.
@@ -770,9 +771,9 @@ pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorag
             for v in &ints {
                 builder.arg(v);
             }
-            builder.arg(&total);
+            builder.arg(&rows);
             // SAFETY: argument list matches `from_chunks_*` in kernels.cu.
-            unsafe { builder.launch(strided_config(l.model_len())) }.w()?;
+            unsafe { builder.launch(layout_config(rows)) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
@@ -821,10 +822,11 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
 }
 
 /// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
-/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of them, at a padded stride).
+/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of them at a padded stride, and
+/// their 64 scales).
 fn walk_smem(d: &WalkDims) -> usize {
     if walk_tensor(d) {
-        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4)) * 4;
+        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4) + 64) * 4;
     }
     (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
 }

@@ -952,51 +952,41 @@ ADD_RMS(add_rms_bf16, __nv_bfloat16)
 ADD_RMS(add_rms_f16, __half)
 
 // The chunked form's layout (src/ops/chunk_layout.rs): x [B, T, H, d] in T against y [N, B·H, c,
-// width] float32 at columns off..off+d, N = ⌈T / c⌉, zero past T. One thread per element of the
-// side being written, grid-strided; consecutive threads step along d, so both sides are read and
-// written in runs.
+// width] float32 at columns off..off+d, N = ⌈T / c⌉, zero past T. Blocks of 32 x 8 threads: each
+// threadIdx.y takes one row of the side being written (its indices found once, in 32-bit
+// arithmetic: row counts stay below 2^31), and its 32 threads step along d, so both sides are
+// read and written in runs.
+#define LAYOUT_ROWS 8
 template <typename T>
-__device__ void to_chunks(const T *x, float *y, int B, int Tn, int H, int d, int c, int width, int off,
-                          long long total) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const int r = i % d;
-    long long rest = i / d;
-    const int tt = rest % c;
-    rest /= c;
-    const int bh = rest % (B * H);
-    const long long n = rest / (B * H);
-    const long long time = n * c + tt;
-    const int b = bh / H, h = bh % H;
-    y[((n * B * H + bh) * c + tt) * width + off + r] =
-        time < Tn ? to_f(x[(((long long)b * Tn + time) * H + h) * d + r]) : 0.0f;
-  }
+__device__ void to_chunks(const T *x, float *y, int B, int Tn, int H, int d, int c, int width, int off, int rows) {
+  const int row = blockIdx.x * LAYOUT_ROWS + threadIdx.y;
+  if (row >= rows) return;
+  const int tt = row % c, q = row / c, bh = q % (B * H), n = q / (B * H);
+  const int time = n * c + tt, b = bh / H, h = bh % H;
+  float *yr = y + (long long)row * width + off;
+  const T *xr = x + (((long long)b * Tn + time) * H + h) * d;
+  for (int r = threadIdx.x; r < d; r += 32) yr[r] = time < Tn ? to_f(xr[r]) : 0.0f;
 }
 
 template <typename T>
-__device__ void from_chunks(const float *y, T *x, int B, int Tn, int H, int d, int c, int width, int off,
-                            long long total) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const int r = i % d;
-    long long rest = i / d;
-    const int h = rest % H;
-    rest /= H;
-    const long long time = rest % Tn;
-    const int b = rest / Tn;
-    const long long n = time / c;
-    x[i] = from_f<T>(y[((n * B * H + b * H + h) * c + time % c) * width + off + r]);
-  }
+__device__ void from_chunks(const float *y, T *x, int B, int Tn, int H, int d, int c, int width, int off, int rows) {
+  const int row = blockIdx.x * LAYOUT_ROWS + threadIdx.y;
+  if (row >= rows) return;
+  const int h = row % H, q = row / H, time = q % Tn, b = q / Tn;
+  const int n = time / c, tt = time % c;
+  const float *yr = y + (((long long)n * B * H + b * H + h) * c + tt) * width + off;
+  T *xr = x + (long long)row * d;
+  for (int r = threadIdx.x; r < d; r += 32) xr[r] = from_f<T>(yr[r]);
 }
 
 #define CHUNK_LAYOUT(SUFFIX, T)                                                                          \
   extern "C" __global__ void to_chunks_##SUFFIX(const T *x, float *y, int B, int Tn, int H, int d, int c,  \
-                                                int width, int off, long long total) {                     \
-    to_chunks<T>(x, y, B, Tn, H, d, c, width, off, total);                                                 \
+                                                int width, int off, int rows) {                            \
+    to_chunks<T>(x, y, B, Tn, H, d, c, width, off, rows);                                                  \
   }                                                                                                        \
   extern "C" __global__ void from_chunks_##SUFFIX(const float *y, T *x, int B, int Tn, int H, int d, int c, \
-                                                  int width, int off, long long total) {                   \
-    from_chunks<T>(y, x, B, Tn, H, d, c, width, off, total);                                               \
+                                                  int width, int off, int rows) {                          \
+    from_chunks<T>(y, x, B, Tn, H, d, c, width, off, rows);                                                \
   }
 CHUNK_LAYOUT(f32, float)
 CHUNK_LAYOUT(bf16, __nv_bfloat16)
@@ -1763,9 +1753,24 @@ template <int S, typename F> __device__ __forceinline__ void tc_each(float acc[S
   }
 }
 
-// chunk_stage at row stride TC_TP.
+// chunk_stage at row stride TC_TP, four columns a load where the rows are 16-byte aligned.
 __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, int col0, int valid, int rows,
                                          const float *scale, float *tile) {
+  if (((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0) {
+    for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
+      const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
+      float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (t < valid && col0 + r < width) {
+        x = *reinterpret_cast<const float4 *>(src + (long long)t * ld + col0 + r);
+        if (scale) {
+          const float f = scale[t];
+          x = make_float4(x.x * f, x.y * f, x.z * f, x.w * f);
+        }
+      }
+      *reinterpret_cast<float4 *>(tile + t * TC_TP + r) = x;
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < rows * INTRA_TW; e += blockDim.x) {
     const int t = e / INTRA_TW, r = e % INTRA_TW;
     float x = 0.0f;
@@ -2143,21 +2148,80 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The chunk walk on tensor cores. Grid and block as chunk_walk_*_f32's; the state (G) and U (dU)
 // tiles [rows, 32] at row stride TC_SW (≡ 8 mod 32: their fragment reads by row hit distinct
-// banks), a chunk's keys KK [64, kks] with Kc | Kend at columns 0 | koff, rows past c zero. Needs
-// dk % 16 == 0 (the state's rows are the product's 16-row tiles).
+// banks), a chunk's raw keys KK [64, kks] with Kc | K at columns 0 | koff and rows past c zero,
+// and its key scales e [64]. Kend = diag(e) K is never formed: e scales U's rows instead (Kendᵀ U
+// = Kᵀ diag(e) U) and the backward's Kend G. So the keys are plain copies, issued as 16-byte
+// asynchronous copies all at once, and each product's epilogue operands are loaded before its
+// products run. Needs dk % 16 == 0 (the state's rows are the product's 16-row tiles).
 #define TC_SW 40
 
-// Chunk `blk`'s keys into KK, rows c..rows zero.
+// v[s][i] = f(row, col) at the positions tc_each visits: an epilogue's operands, loaded before
+// the products so that their latency overlaps them.
+template <int S, typename F> __device__ __forceinline__ void tc_fill(float v[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    v[s][0] = f(m0 + g, n0 + 2 * t);
+    v[s][1] = f(m0 + g, n0 + 2 * t + 1);
+    v[s][2] = f(m0 + g + 8, n0 + 2 * t);
+    v[s][3] = f(m0 + g + 8, n0 + 2 * t + 1);
+  }
+}
+
+// f(row, col, value, other) for every element of the warp's tiles, `other` v's element there.
+template <int S, typename F>
+__device__ __forceinline__ void tc_each_with(float acc[S][4], float v[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    f(m0 + g, n0 + 2 * t, acc[s][0], v[s][0]);
+    f(m0 + g, n0 + 2 * t + 1, acc[s][1], v[s][1]);
+    f(m0 + g + 8, n0 + 2 * t, acc[s][2], v[s][2]);
+    f(m0 + g + 8, n0 + 2 * t + 1, acc[s][3], v[s][3]);
+  }
+}
+
+// Chunk `blk`'s keys into KK and its key scales into es_out (rows c..rows zero), then wait for
+// them and synchronise. `vec`: every key row is 16-byte aligned (dk % 4 == 0 and aligned bases).
 __device__ __forceinline__ void tc_walk_stage(const float *kc, const float *k, const float *e, float *KK,
-                                              long long blk, int c, int rows, int dk, int delta, int kks) {
+                                              float *es_out, long long blk, int c, int rows, int dk, int delta,
+                                              int kks, bool vec) {
   const int koff = delta ? dk : 0;
   const float *kcs = kc + blk * c * dk, *ks = k + blk * c * dk, *es = e + blk * c;
-  for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
-    const int t = i / dk, r = i % dk;
-    const bool in = t < c;
-    if (delta) KK[t * kks + r] = in ? kcs[i] : 0.0f;
-    KK[t * kks + koff + r] = in ? es[t] * ks[i] : 0.0f;
+  if (vec) {
+    const int q = dk / 4;
+    for (int i = threadIdx.x; i < rows * q; i += blockDim.x) {
+      const int t = i / q, r = (i % q) * 4;
+      float *dst = KK + t * kks + r;
+      if (t < c) {
+        if (delta) __pipeline_memcpy_async(dst, kcs + (long long)t * dk + r, 16);
+        __pipeline_memcpy_async(dst + koff, ks + (long long)t * dk + r, 16);
+      } else {
+        if (delta) *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        *reinterpret_cast<float4 *>(dst + koff) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    __pipeline_commit();
+  } else {
+    for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
+      const int t = i / dk, r = i % dk;
+      const bool in = t < c;
+      if (delta) KK[t * kks + r] = in ? kcs[i] : 0.0f;
+      KK[t * kks + koff + r] = in ? ks[i] : 0.0f;
+    }
   }
+  for (int t = threadIdx.x; t < INTRA_C; t += blockDim.x) es_out[t] = t < c ? es[t] : 0.0f;
+  if (vec) __pipeline_wait_prior(0);
+  __syncthreads();
+}
+
+// Whether the walk's key rows can be copied 16 bytes at a time.
+__device__ __forceinline__ bool tc_walk_vec(const float *kc, const float *k, int dk, int delta) {
+  return dk % 4 == 0 && ((uintptr_t)k & 15) == 0 && (!delta || ((uintptr_t)kc & 15) == 0);
 }
 
 // x[r][j] of a [rows, 32] tile at row stride TC_SW to dst[r * dv + j] for the columns below dv.
@@ -2174,33 +2238,41 @@ extern "C" __global__ void __launch_bounds__(256)
   extern __shared__ float wsm[];
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
-  float *S = wsm, *U = S + dk * TC_SW, *KK = U + INTRA_C * TC_SW;
+  float *S = wsm, *U = S + dk * TC_SW, *KK = U + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
   const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
+  const bool vec = tc_walk_vec(kc, k, dk, delta);
   for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
     const int r = i / WALK_TV, j = i % WALK_TV;
     S[r * TC_SW + j] = col0 + j < dv ? s0[((long long)h * dk + r) * dv + col0 + j] : 0.0f;
   }
   for (int i = 0; i < n; ++i) {
     const long long blk = (long long)i * bh + h;
-    tc_walk_stage(kc, k, e, KK, blk, c, cm, dk, delta, kks);
-    __syncthreads();
+    const float *wi = w + blk * c * dv, *ai = a + blk * dk;
+    float wv[2][4];
+    tc_fill<2>(wv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? wi[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
     tc_walk_out(S, dk, states + blk * dk * dv, dv, col0);
-    // U = W − Kc S
-    const float *wi = w + blk * c * dv;
+    // U = W − Kc S, kept as diag(e) U for the state's update
     float acc[2][4];
     tc_zero<2>(acc);
     if (delta) tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK, kks, 1}, TcView{S, TC_SW, 1}, false);
-    tc_each<2>(acc, cm, WALK_TV, [&](int t, int j, float x) {
-      U[t * TC_SW + j] = (t < c && col0 + j < dv ? wi[(long long)t * dv + col0 + j] : 0.0f) - x;
+    float *ui = u_out + blk * c * dv;
+    tc_each_with<2>(acc, wv, cm, WALK_TV, [&](int t, int j, float x, float wtj) {
+      const float u = wtj - x;
+      U[t * TC_SW + j] = es[t] * u;
+      if (t < c && col0 + j < dv) ui[(long long)t * dv + col0 + j] = u;
     });
+    float av[8][4];
+    tc_fill<8>(av, dk, WALK_TV, [&](int r, int) { return ai[r]; });
     __syncthreads();
-    tc_walk_out(U, c, u_out + blk * c * dv, dv, col0);
-    // S ← diag(a) S + Kendᵀ U (each element read and written by the thread that holds it)
-    const float *ai = a + blk * dk;
-    float s[8][4];
-    tc_zero<8>(s);
-    tc_acc<8>(s, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
-    tc_each<8>(s, dk, WALK_TV, [&](int r, int j, float x) { S[r * TC_SW + j] = ai[r] * S[r * TC_SW + j] + x; });
+    // S ← diag(a) S + Kᵀ diag(e) U (each element read and written by the thread that holds it)
+    float sacc[8][4];
+    tc_zero<8>(sacc);
+    tc_acc<8>(sacc, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
+    tc_each_with<8>(sacc, av, dk, WALK_TV,
+                    [&](int r, int j, float x, float ar) { S[r * TC_SW + j] = ar * S[r * TC_SW + j] + x; });
     __syncthreads();
   }
   tc_walk_out(S, dk, states + ((long long)n * bh + h) * dk * dv, dv, col0);
@@ -2213,36 +2285,40 @@ extern "C" __global__ void __launch_bounds__(256)
   extern __shared__ float wsm[];
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
-  float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW;
+  float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
   const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
+  const bool vec = tc_walk_vec(kc, k, dk, delta);
   for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
     const int r = i / WALK_TV, j = i % WALK_TV;
     G[r * TC_SW + j] = col0 + j < dv ? gs[(((long long)n * bh + h) * dk + r) * dv + col0 + j] : 0.0f;
   }
   for (int i = n - 1; i >= 0; --i) {
     const long long blk = (long long)i * bh + h;
-    tc_walk_stage(kc, k, e, KK, blk, c, cm, dk, delta, kks);
-    __syncthreads();
-    // dU = gU + Kend G
-    const float *gui = gu + blk * c * dv;
+    const float *gui = gu + blk * c * dv, *ai = a + blk * dk, *gsi = gs + blk * dk * dv;
+    float gv[2][4];
+    tc_fill<2>(gv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? gui[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
+    // dU = gU + diag(e) K G
     float acc[2][4];
     tc_zero<2>(acc);
     tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK + koff, kks, 1}, TcView{G, TC_SW, 1}, false);
-    tc_each<2>(acc, cm, WALK_TV, [&](int t, int j, float x) {
-      dU[t * TC_SW + j] = (t < c && col0 + j < dv ? gui[(long long)t * dv + col0 + j] : 0.0f) + x;
-    });
+    tc_each_with<2>(acc, gv, cm, WALK_TV,
+                    [&](int t, int j, float x, float gtj) { dU[t * TC_SW + j] = gtj + es[t] * x; });
     tc_walk_out(G, dk, gend + blk * dk * dv, dv, col0);
+    // G's update: diag(a) G + gS_i, less Kcᵀ dU below
+    float keep[8][4];
+    tc_fill<8>(keep, dk, WALK_TV, [&](int r, int j) {
+      return ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f);
+    });
     __syncthreads();
     tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
     // G ← diag(a) G − Kcᵀ dU + gS_i (each element read and written by the thread that holds it)
-    const float *ai = a + blk * dk, *gsi = gs + blk * dk * dv;
     float g[8][4];
     tc_zero<8>(g);
     if (delta) tc_acc<8>(g, dk, WALK_TV, ck, TcView{KK, 1, kks}, TcView{dU, TC_SW, 1}, false);
-    tc_each<8>(g, dk, WALK_TV, [&](int r, int j, float x) {
-      G[r * TC_SW + j] =
-          ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f) - x;
-    });
+    tc_each_with<8>(g, keep, dk, WALK_TV, [&](int r, int j, float x, float kp) { G[r * TC_SW + j] = kp - x; });
     __syncthreads();
   }
   tc_walk_out(G, dk, ds0 + (long long)h * dk * dv, dv, col0);
