@@ -75,7 +75,8 @@ fn opts() -> Result<Opts> {
     if !["none", "head", "channel"].contains(&o.decay.as_str()) {
         bail!("--decay {}: none, head or channel", o.decay);
     }
-    o.device = if device == "cpu" { Device::Cpu } else { Device::new_cuda(0)? };
+    // Opened as statecut's commands open it (its memory pool settings included).
+    o.device = if device == "cpu" { Device::Cpu } else { statecut::device::DeviceSpec::Cuda(0).open()? };
     Ok(o)
 }
 

@@ -50,8 +50,59 @@ impl DeviceSpec {
             // SAFETY: statecut runs all work of a device on its one stream, where cudarc's
             // per-buffer events (two created and destroyed per allocation) serve nothing.
             unsafe { c.disable_event_tracking() }
+            pool::keep_freed_memory(c);
         }
         Ok(device)
+    }
+}
+
+/// The device's default memory pool, which candle's stream-ordered allocations draw from.
+#[cfg(feature = "cuda")]
+mod pool {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::CudaDevice;
+
+    fn default_pool(dev: &CudaDevice) -> Option<sys::CUmemoryPool> {
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: a device handle from a live context, and an out-pointer to fill.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev.cuda_stream().context().cu_device()) };
+        (r == sys::CUresult::CUDA_SUCCESS && !pool.is_null()).then_some(pool)
+    }
+
+    fn attribute(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Option<u64> {
+        let mut v = 0u64;
+        // SAFETY: these attributes are 64-bit values.
+        let r = unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+    }
+
+    /// Keep freed memory mapped for the next allocation. The pool's default threshold of zero
+    /// hands every freed byte back to the driver at each synchronisation, so each training step
+    /// or timed pass mapped its working memory anew (several ms a pass at 16 x 2048 tokens). A
+    /// failure leaves the default in place: it costs time, not correctness.
+    /// `STATECUT_RELEASE_MEMORY=1` keeps the default, for a GPU shared with other processes.
+    pub fn keep_freed_memory(dev: &CudaDevice) {
+        if std::env::var_os("STATECUT_RELEASE_MEMORY").is_some_and(|v| v == "1") {
+            return;
+        }
+        let Some(pool) = default_pool(dev) else { return };
+        let mut keep = u64::MAX;
+        // SAFETY: the release threshold is a 64-bit value.
+        let _ = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+    }
+
+    /// Bytes the pool holds mapped but has not handed out: free for statecut's next allocation.
+    pub fn cached(dev: &CudaDevice) -> u64 {
+        let Some(pool) = default_pool(dev) else { return 0 };
+        let reserved = attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+        let used = attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+        reserved.zip(used).map_or(0, |(r, u)| r.saturating_sub(u))
     }
 }
 
@@ -86,12 +137,20 @@ impl Dtype {
     }
 }
 
-/// Free memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
+/// Memory of a CUDA device free for statecut's next allocations, in bytes: what the driver
+/// reports free plus what statecut's memory pool holds unused. `None` on the CPU or when it
+/// cannot be read.
 pub fn free_memory(device: &Device) -> Option<usize> {
-    memory_info(device).map(|(free, _)| free)
+    let (free, total) = memory_info(device)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return Some((free + pool::cached(d) as usize).min(total));
+    }
+    Some(free)
 }
 
-/// (free, total) memory of a CUDA device in bytes; `None` on the CPU or when it cannot be read.
+/// (free, total) memory of a CUDA device in bytes as the driver reports them (memory statecut's
+/// pool keeps for reuse counts as in use); `None` on the CPU or when it cannot be read.
 pub fn memory_info(device: &Device) -> Option<(usize, usize)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {

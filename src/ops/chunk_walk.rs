@@ -217,7 +217,7 @@ impl CustomOp3 for Walk {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = self.0;
-        let back = WalkBack { d, wkc: wkc.clone(), k: k.clone(), extra: extra.clone() };
+        let back = WalkBack { d, wkc: wkc.clone(), k: k.clone(), extra: extra.clone(), res: res.clone() };
         crate::profile::mark("backward: before the walk", grad.device());
         let out = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?;
         crate::profile::mark("backward: walk", grad.device());
@@ -231,8 +231,16 @@ impl CustomOp3 for Walk {
         // The column sums, batched over every chunk.
         let dkend = u.matmul(&g.t()?)?; // [N,BH,C,dk]
         let dk_in = dkend.broadcast_mul(&e)?;
-        let de = (&dkend * k)?.sum(3)?;
-        let da = (&s * &g)?.sum(3)?;
+        // The tensor-core kernel appends its column tiles' partial sums of da and de.
+        let base = d.u_len() + (n + 1) * d.state_len();
+        let (da, de) = match (out.dim(0)? - base) / (n * bh * (dk + c)) {
+            0 => ((&s * &g)?.sum(3)?, (&dkend * k)?.sum(3)?),
+            tiles => {
+                let part =
+                    |off: usize, w: usize| out.narrow(0, base + off, tiles * n * bh * w)?.reshape((tiles, n, bh, w));
+                (part(0, dk)?.sum(0)?, part(tiles * n * bh * dk, c)?.sum(0)?)
+            }
+        };
         let dwkc = match d.delta {
             true => Tensor::cat(&[du.flatten_all()?, du.matmul(&s.t()?)?.neg()?.flatten_all()?], 0)?,
             false => du.flatten_all()?,
@@ -245,11 +253,15 @@ impl CustomOp3 for Walk {
 
 /// The walk's backward, its sequential part: from the gradient of its output (U then states),
 /// dW (= dU), the gradient G_{i+1} reaching each chunk's end state, and ds0, flat in that order.
+/// On tensor cores the kernel also sums da and de over each of its column tiles, and appends
+/// those partial sums ([tiles, N, BH, dk] then [tiles, N, BH, C]).
 struct WalkBack {
     d: WalkDims,
     wkc: Tensor,
     k: Tensor,
     extra: Tensor,
+    /// The walk's output: U and the chunk-start states.
+    res: Tensor,
 }
 
 impl CustomOp1 for WalkBack {
@@ -326,12 +338,14 @@ impl CustomOp1 for WalkBack {
     fn cuda_fwd(&self, grad: &candle_core::CudaStorage, gl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (wkc, k, extra) =
             (self.wkc.storage_and_layout(), self.k.storage_and_layout(), self.extra.storage_and_layout());
+        let res = self.res.storage_and_layout();
         super::cuda::chunk_walk_back(
             &self.d,
             (grad, gl),
             super::cuda::on_gpu(&wkc.0, wkc.1, "chunk walk")?,
             super::cuda::on_gpu(&k.0, k.1, "chunk walk")?,
             super::cuda::on_gpu(&extra.0, extra.1, "chunk walk")?,
+            super::cuda::on_gpu(&res.0, res.1, "chunk walk")?,
         )
     }
 }

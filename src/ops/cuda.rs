@@ -823,10 +823,10 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
 
 /// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
 /// staged keys (from a 16-byte boundary; on tensor cores 64 rows of them at a padded stride, and
-/// their 64 scales).
+/// their 64 scales, and the backward's [64, 4] row sums).
 fn walk_smem(d: &WalkDims) -> usize {
     if walk_tensor(d) {
-        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4) + 64) * 4;
+        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4) + 64 + 64 * 4) * 4;
     }
     (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
 }
@@ -849,23 +849,41 @@ fn walk_extra<'a>(
     (extra.slice(..state), extra.slice(state..state + rows), extra.slice(state + rows..))
 }
 
-/// `chunk_walk_bwd_f32`: dW, every chunk's end-state gradient, then ds0, flat (see
-/// `ops::chunk_walk`).
-pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: Input) -> Result<(CudaStorage, Shape)> {
+/// `chunk_walk_bwd_*`: dW, every chunk's end-state gradient, then ds0, flat (see
+/// `ops::chunk_walk`); the `_tc` form appends its column tiles' partial sums of da and de, from
+/// the walk's output `res` (U and the states).
+pub fn chunk_walk_back(
+    d: &WalkDims,
+    grad: Input,
+    wkc: Input,
+    k: Input,
+    extra: Input,
+    res: Input,
+) -> Result<(CudaStorage, Shape)> {
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk walk backward")?;
     let (wkc, k, extra) =
         (view::<f32>(wkc, "chunk walk")?, view::<f32>(k, "chunk walk")?, view::<f32>(extra, "chunk walk")?);
+    let res = view::<f32>(res, "chunk walk")?;
     let kc = wkc.slice(d.u_len()..);
     let (_, a, e) = walk_extra(d, &extra);
     let (gu, gs) = (grad.slice(..d.u_len()), grad.slice(d.u_len()..));
     let (lu, lg) = (d.u_len(), d.n * d.state_len());
-    // SAFETY: the kernel writes all of dW, every chunk's end-state gradient and ds0.
-    let out = unsafe { dev.alloc::<f32>(lu + lg + d.state_len())? };
-    let (dw, gend, ds0) = (out.slice(..lu), out.slice(lu..lu + lg), out.slice(lu + lg..));
+    let tensor = walk_tensor(d);
+    let (la, le) = match tensor {
+        true => (d.dv.div_ceil(TILE) * d.n * d.bh * d.dk, d.dv.div_ceil(TILE) * d.n * d.bh * d.c),
+        false => (0, 0),
+    };
+    let n = lu + lg + d.state_len() + la + le;
+    // SAFETY: the kernel writes all of dW, every chunk's end-state gradient and ds0 (and every
+    // partial sum).
+    let out = unsafe { dev.alloc::<f32>(n)? };
+    let (dw, gend, ds0) = (out.slice(..lu), out.slice(lu..lu + lg), out.slice(lu + lg..lu + lg + d.state_len()));
+    let rest = lu + lg + d.state_len();
+    let (da, de) = (out.slice(rest..rest + la), out.slice(rest + la..));
     // G's and dU's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, if walk_tensor(d) { "chunk_walk_bwd_tc" } else { "chunk_walk_bwd_f32" })?;
+    let func = function(&dev, if tensor { "chunk_walk_bwd_tc" } else { "chunk_walk_bwd_f32" })?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -874,9 +892,12 @@ pub fn chunk_walk_back(d: &WalkDims, grad: Input, wkc: Input, k: Input, extra: I
     for v in &ints {
         builder.arg(v);
     }
-    // SAFETY: argument list matches `chunk_walk_bwd_f32` in kernels.cu; buffers sized above.
+    let (u, states) = (res.slice(..d.u_len()), res.slice(d.u_len()..));
+    if tensor {
+        builder.arg(&u).arg(&states).arg(&da).arg(&de);
+    }
+    // SAFETY: argument list matches `chunk_walk_bwd_*` in kernels.cu; buffers sized above.
     unsafe { builder.launch(walk_config(d, smem)) }.w()?;
-    let n = lu + lg + d.state_len();
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 

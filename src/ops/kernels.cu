@@ -2278,15 +2278,22 @@ extern "C" __global__ void __launch_bounds__(256)
   tc_walk_out(S, dk, states + ((long long)n * bh + h) * dk * dv, dv, col0);
 }
 
+// The backward also sums the column terms of da and de over its 32 columns, for the caller to
+// add up over the tiles: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j] and de_i[t] = Σ_j U_i[t][j] (K_i
+// G_{i+1})[t][j] (= rowsum(K ∘ U Gᵀ)), from the walk's U and states (ures, sres), into da_part
+// [tiles, N, BH, dk] and de_part [tiles, N, BH, c].
 extern "C" __global__ void __launch_bounds__(256)
     chunk_walk_bwd_tc(const float *kc, const float *k, const float *e, const float *a, const float *gu,
                       const float *gs, float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv,
-                      int delta) {
+                      int delta, const float *ures, const float *sres, float *da_part, float *de_part) {
   extern __shared__ float wsm[];
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
   float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
+  float *red = es + INTRA_C;  // [64, 4]: each row's sums over the tile's four 8-column groups
   const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const long long part0 = (long long)blockIdx.x * n * bh;
   const bool vec = tc_walk_vec(kc, k, dk, delta);
   for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
     const int r = i / WALK_TV, j = i % WALK_TV;
@@ -2295,24 +2302,51 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int i = n - 1; i >= 0; --i) {
     const long long blk = (long long)i * bh + h;
     const float *gui = gu + blk * c * dv, *ai = a + blk * dk, *gsi = gs + blk * dk * dv;
-    float gv[2][4];
+    const float *ui = ures + blk * c * dv, *si = sres + blk * dk * dv;
+    float gv[2][4], uv[2][4];
     tc_fill<2>(gv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? gui[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_fill<2>(uv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? ui[(long long)t * dv + col0 + j] : 0.0f;
     });
     tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
     // dU = gU + diag(e) K G
     float acc[2][4];
     tc_zero<2>(acc);
     tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK + koff, kks, 1}, TcView{G, TC_SW, 1}, false);
+    // de: U ∘ (K G) summed over each fragment row's 8 columns (a quad of lanes), into red
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      int m0, n0;
+      if (!tc_tile(cm, WALK_TV, s, m0, n0)) continue;
+      float lo = uv[s][0] * acc[s][0] + uv[s][1] * acc[s][1], hi = uv[s][2] * acc[s][2] + uv[s][3] * acc[s][3];
+      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+      lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+      if (lane % 4 == 0) {
+        red[(m0 + lane / 4) * 4 + n0 / 8] = lo;
+        red[(m0 + lane / 4 + 8) * 4 + n0 / 8] = hi;
+      }
+    }
     tc_each_with<2>(acc, gv, cm, WALK_TV,
                     [&](int t, int j, float x, float gtj) { dU[t * TC_SW + j] = gtj + es[t] * x; });
     tc_walk_out(G, dk, gend + blk * dk * dv, dv, col0);
+    // da: S_i ∘ G_{i+1} summed over the tile's columns, a row per warp at a time
+    for (int r = warp; r < dk; r += warps) {
+      const float x = col0 + lane < dv ? si[(long long)r * dv + col0 + lane] * G[r * TC_SW + lane] : 0.0f;
+      const float sum = intra_warp_sum(x);
+      if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
+    }
     // G's update: diag(a) G + gS_i, less Kcᵀ dU below
     float keep[8][4];
     tc_fill<8>(keep, dk, WALK_TV, [&](int r, int j) {
       return ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f);
     });
     __syncthreads();
+    for (int t = threadIdx.x; t < c; t += blockDim.x)
+      de_part[(part0 + blk) * c + t] = red[t * 4] + red[t * 4 + 1] + red[t * 4 + 2] + red[t * 4 + 3];
     tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
     // G ← diag(a) G − Kcᵀ dU + gS_i (each element read and written by the thread that holds it)
     float g[8][4];
