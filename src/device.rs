@@ -141,10 +141,10 @@ impl Dtype {
 /// reports free plus what statecut's memory pool holds unused. `None` on the CPU or when it
 /// cannot be read.
 pub fn free_memory(device: &Device) -> Option<usize> {
-    let (free, total) = memory_info(device)?;
+    let (free, _total) = memory_info(device)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
-        return Some((free + pool::cached(d) as usize).min(total));
+        return Some((free + pool::cached(d) as usize).min(_total));
     }
     Some(free)
 }
