@@ -187,25 +187,22 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _s = crate::profile::span("projections", x.device());
-        let y = if self.frozen_under_gradient(x) {
+        let product = if self.frozen_under_gradient(x) {
             // The weight takes no gradient: candle's matmul backward would compute it anyway.
-            let y = crate::ops::projection::frozen_linear(x, self.weight())?;
-            match self.bias() {
-                Some(b) => y.broadcast_add(b)?,
-                None => y,
-            }
+            Some(crate::ops::projection::frozen_linear(x, self.weight())?)
         } else if self.batched(x) {
             // One batched product over [B, T, in] against the weight broadcast in place (batch
             // stride 0): candle's fold into rows adds two reshapes, and each reshape adds a
             // full-size gradient accumulation to the backward; `broadcast_matmul` would copy
             // the weight once per sequence.
-            let y = x.matmul(&self.weight().broadcast_left(x.dim(0)?)?.t()?)?;
-            match self.bias() {
-                Some(b) => y.broadcast_add(b)?,
-                None => y,
-            }
+            Some(x.matmul(&self.weight().broadcast_left(x.dim(0)?)?.t()?)?)
         } else {
-            self.base.forward(x)?
+            None
+        };
+        let y = match (product, self.bias()) {
+            (Some(y), Some(b)) => y.broadcast_add(b)?,
+            (Some(y), None) => y,
+            (None, _) => self.base.forward(x)?,
         };
         let Some(ad) = &self.adapter else { return Ok(y) };
         // (x·Aᵀ)·Bᵀ over the rows of x, in float32: r-wide, never the [out, in] product.

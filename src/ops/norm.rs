@@ -410,12 +410,18 @@ pub fn l2_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     }
 }
 
-/// The identity of [`l2_norm_fused`] on the RMSNorm op with a backward: one pass each way where
-/// the separate ops take about fifteen over q and k.
-fn l2_norm_grad(x: &Tensor, eps: f64) -> Result<Tensor> {
+/// The L2 norm as an RMSNorm over width n: x·rsqrt(Σx²/n + eps/n)·(1/√n) = x / sqrt(Σx² + eps).
+/// Its weight (1/√n, [n] float32) and epsilon.
+fn l2_as_rms(x: &Tensor, eps: f64) -> Result<(Tensor, f64)> {
     let n = x.dim(D::Minus1)?;
-    let alpha = Tensor::full((n as f32).sqrt().recip(), n, x.device())?;
-    rms_grad(x, None, &alpha, eps / n as f64)
+    Ok((Tensor::full((n as f32).sqrt().recip(), n, x.device())?, eps / n as f64))
+}
+
+/// [`l2_as_rms`] on the RMSNorm op with a backward: one pass each way where the separate ops
+/// take about fifteen over q and k.
+fn l2_norm_grad(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let (alpha, eps) = l2_as_rms(x, eps)?;
+    rms_grad(x, None, &alpha, eps)
 }
 
 fn l2_norm_ops(x: &Tensor, eps: f64) -> Result<Tensor> {
@@ -425,13 +431,10 @@ fn l2_norm_ops(x: &Tensor, eps: f64) -> Result<Tensor> {
     x.broadcast_div(&n)?.to_dtype(dtype)
 }
 
-/// The same through candle's fused RMSNorm: with n = width, x·rsqrt(Σx²/n + eps/n)·(1/√n)
-/// = x / sqrt(Σx² + eps).
+/// [`l2_as_rms`] through candle's fused RMSNorm (no backward).
 fn l2_norm_fused(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let n = x.dim(D::Minus1)?;
-    let alpha = Tensor::full((n as f32).sqrt().recip(), n, x.device())?;
-    candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &alpha, (eps / n as f64) as f32)?.to_dtype(dtype)
+    let (alpha, eps) = l2_as_rms(x, eps)?;
+    candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &alpha, eps as f32)?.to_dtype(x.dtype())
 }
 
 #[cfg(test)]
