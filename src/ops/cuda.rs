@@ -806,7 +806,7 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, if walk_tensor(d) { "chunk_walk_fwd_tc" } else { "chunk_walk_fwd_f32" })?;
+    let func = function(&dev, &chunk_kernel("chunk_walk_fwd", walk_tensor(d)))?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -834,10 +834,10 @@ fn walk_smem(d: &WalkDims) -> usize {
 /// Row stride of the tensor-core walk's state tiles (`TC_SW` in kernels.cu).
 const TC_STATE_STRIDE: usize = 40;
 
-/// Whether the walk runs on tensor cores: 16-bit inputs (see `WalkDims::tensor`), a GPU that has
-/// them, and a key width in whole 16-row tiles.
+/// Whether the walk runs on tensor cores: as [`chunk_tensor`], and a key width in whole 16-row
+/// tiles.
 fn walk_tensor(d: &WalkDims) -> bool {
-    cfg!(tensor_cores) && d.tensor && d.dk.is_multiple_of(16)
+    chunk_tensor(d.tensor) && d.dk.is_multiple_of(16)
 }
 
 /// The walk's extra input split into S₀, the per-row decays a and the per-token key scales e.
@@ -883,7 +883,7 @@ pub fn chunk_walk_back(
     let (da, de) = (out.slice(rest..rest + la), out.slice(rest + la..));
     // G's and dU's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, if tensor { "chunk_walk_bwd_tc" } else { "chunk_walk_bwd_f32" })?;
+    let func = function(&dev, &chunk_kernel("chunk_walk_bwd", tensor))?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -910,14 +910,15 @@ fn intra_smem(backward: bool, tensor: bool) -> usize {
     4 * if backward { 4 * sq + tiles * tile + 5 * 64 } else { 2 * sq + tiles * tile + 3 * 64 }
 }
 
-/// A chunk kernel's name: its `_tc` form for 16-bit inputs on a GPU with tensor cores.
-fn chunk_kernel(base: &str, tensor: bool) -> String {
-    format!("{base}_{}", if cfg!(tensor_cores) && tensor { "tc" } else { "f32" })
-}
-
-/// Whether a chunk kernel runs in its `_tc` form.
+/// Whether a chunk kernel runs in its `_tc` form: 16-bit inputs (the dims' `tensor`) on a GPU
+/// with tensor cores.
 fn chunk_tensor(tensor: bool) -> bool {
     cfg!(tensor_cores) && tensor
+}
+
+/// A chunk kernel's name in the form [`chunk_tensor`] chose.
+fn chunk_kernel(base: &str, tc: bool) -> String {
+    format!("{base}_{}", if tc { "tc" } else { "f32" })
 }
 
 /// One block of 256 threads per chunk and head (the chunk ops' grid), with `smem` bytes of
@@ -931,7 +932,8 @@ fn chunk_config(n: usize, bh: usize, c: usize, smem: usize, what: &str) -> Resul
 
 /// `chunk_intra_fwd_f32`: W then Kc, flat (see `ops::chunk_intra`).
 pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
-    let smem = intra_smem(false, chunk_tensor(d.tensor));
+    let tc = chunk_tensor(d.tensor);
+    let smem = intra_smem(false, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve")?;
     let dev = k.0.device().clone();
     let (k, v, scal) =
@@ -940,7 +942,7 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
     // SAFETY: the kernel writes every element of W and Kc.
     let out = unsafe { dev.alloc::<f32>(lw + lk)? };
     let (w, kc) = (out.slice(..lw), out.slice(lw..));
-    let func = function(&dev, &chunk_kernel("chunk_intra_fwd", d.tensor))?;
+    let func = function(&dev, &chunk_kernel("chunk_intra_fwd", tc))?;
     shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
@@ -957,7 +959,8 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
 
 /// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat (see `ops::chunk_intra`).
 pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
-    let smem = intra_smem(true, chunk_tensor(d.tensor));
+    let tc = chunk_tensor(d.tensor);
+    let smem = intra_smem(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve backward")?;
     let dev = grad.0.device().clone();
     let grad = view::<f32>(grad, "chunk solve backward")?;
@@ -966,7 +969,7 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
     let n = d.n * d.bh * d.c * (d.dk + d.dv + 2);
     // SAFETY: the kernel writes every element of dk, dv, dβ and dγ.
     let out = unsafe { dev.alloc::<f32>(n)? };
-    let func = function(&dev, &chunk_kernel("chunk_intra_bwd", d.tensor))?;
+    let func = function(&dev, &chunk_kernel("chunk_intra_bwd", tc))?;
     shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
@@ -992,14 +995,15 @@ fn out_smem(backward: bool, tensor: bool) -> usize {
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).
 pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<(CudaStorage, Shape)> {
-    let smem = out_smem(false, chunk_tensor(d.tensor));
+    let tc = chunk_tensor(d.tensor);
+    let smem = out_smem(false, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs")?;
     let dev = qk.0.device().clone();
     let what = "chunk outputs";
     let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
     // SAFETY: the kernel writes every element of O.
     let out = unsafe { dev.alloc::<f32>(d.o_len())? };
-    let func = function(&dev, &chunk_kernel("chunk_out_fwd", d.tensor))?;
+    let func = function(&dev, &chunk_kernel("chunk_out_fwd", tc))?;
     shared_memory(&func, smem)?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
@@ -1023,7 +1027,8 @@ pub fn chunk_out_back(
     walked: Input,
     gamma: Input,
 ) -> Result<(CudaStorage, Shape)> {
-    let smem = out_smem(true, chunk_tensor(d.tensor));
+    let tc = chunk_tensor(d.tensor);
+    let smem = out_smem(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs backward")?;
     let dev = grad.0.device().clone();
     let what = "chunk outputs";
@@ -1032,7 +1037,7 @@ pub fn chunk_out_back(
     let n = d.qk_len() + d.walked_len() + d.scalars();
     // Zeroed: O does not read the last state, whose gradient the kernel leaves as it is.
     let out = dev.alloc_zeros::<f32>(n)?;
-    let func = function(&dev, &chunk_kernel("chunk_out_bwd", d.tensor))?;
+    let func = function(&dev, &chunk_kernel("chunk_out_bwd", tc))?;
     shared_memory(&func, smem)?;
     let (blocks, walked_len) = ((d.n * d.bh) as i64, d.walked_len() as i64);
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);

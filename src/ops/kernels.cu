@@ -1224,14 +1224,14 @@ extern "C" __global__ void __launch_bounds__(256)
 #define INTRA_TP (INTRA_TW + 1)
 
 // tile[t][r] = src[t·ld + col0 + r] · scale[t] (scale absent: 1) for t < rows, zero from `valid`
-// rows and from `width` columns on.
+// rows and from `width` columns on; the tile's rows `tp` apart.
 __device__ __forceinline__ void chunk_stage(const float *src, int ld, int width, int col0, int valid, int rows,
-                                            const float *scale, float *tile) {
+                                            const float *scale, float *tile, int tp = INTRA_TP) {
   for (int e = threadIdx.x; e < rows * INTRA_TW; e += blockDim.x) {
     const int t = e / INTRA_TW, r = e % INTRA_TW;
     float x = 0.0f;
     if (t < valid && col0 + r < width) x = src[(long long)t * ld + col0 + r] * (scale ? scale[t] : 1.0f);
-    tile[t * INTRA_TP + r] = x;
+    tile[t * tp + r] = x;
   }
 }
 
@@ -1771,12 +1771,7 @@ __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, in
     }
     return;
   }
-  for (int e = threadIdx.x; e < rows * INTRA_TW; e += blockDim.x) {
-    const int t = e / INTRA_TW, r = e % INTRA_TW;
-    float x = 0.0f;
-    if (t < valid && col0 + r < width) x = src[(long long)t * ld + col0 + r] * (scale ? scale[t] : 1.0f);
-    tile[t * TC_TP + r] = x;
-  }
+  chunk_stage(src, ld, width, col0, valid, rows, scale, tile, TC_TP);
 }
 
 // Row-major [rows, TC_TP] and [c, c] views, and their transposes.
