@@ -41,6 +41,7 @@ impl IntraDims {
 /// W [N,BH,C,dv] then Kc [N,BH,C,dk], float32 and flat in one buffer (as the walk reads them),
 /// differentiable in every input: k [N,BH,C,dk], v [N,BH,C,dv], β [N,BH,C] and γ [N,BH,C] (no
 /// decay without it). `tensor`: see [`IntraDims::tensor`].
+#[cfg(test)]
 pub(crate) fn solve_flat(
     k: &Tensor,
     v: &Tensor,
@@ -48,16 +49,28 @@ pub(crate) fn solve_flat(
     gamma: Option<&Tensor>,
     tensor: bool,
 ) -> Result<Tensor> {
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
+    let (op, scal) = op(k, v, beta, gamma, tensor)?;
+    f32(k)?.apply_op3(&f32(v)?, &scal, op)
+}
+
+/// The solve as an op, and its third input (β then γ [2,N,BH,C] float32, γ zeros without a
+/// decay): for a caller that runs the op's backward itself.
+pub(crate) fn op(
+    k: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    gamma: Option<&Tensor>,
+    tensor: bool,
+) -> Result<(Intra, Tensor)> {
     let (n, bh, c, dk) = k.dims4()?;
     let dv = v.dim(3)?;
-    let d = IntraDims { n, bh, c, dk, dv, tensor };
     let f32 = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
     let gamma = match gamma {
         Some(g) => f32(g)?,
         None => Tensor::zeros((n, bh, c), DType::F32, k.device())?,
     };
-    let scal = Tensor::stack(&[f32(beta)?, gamma], 0)?; // [2,N,BH,C]
-    f32(k)?.apply_op3(&f32(v)?, &scal, Intra(d))
+    Ok((Intra(IntraDims { n, bh, c, dk, dv, tensor }), Tensor::stack(&[f32(beta)?, gamma], 0)?))
 }
 
 /// [`solve_flat`]'s (W, Kc) as tensors of their own shapes.
@@ -71,7 +84,7 @@ pub(crate) fn solve(k: &Tensor, v: &Tensor, beta: &Tensor, gamma: Option<&Tensor
     Ok((w, kc))
 }
 
-struct Intra(IntraDims);
+pub(crate) struct Intra(IntraDims);
 
 /// One chunk's inputs on the CPU.
 struct Chunk<'a> {

@@ -42,11 +42,32 @@ pub(crate) fn to_chunks_pair(x: &Tensor, y: &Tensor, c: usize) -> Result<Tensor>
 
 /// x [N,B·H,C,d] float32 → [B,T,H,d] in `dtype` (T ≤ N·C: the padding is dropped), differentiable.
 pub(crate) fn from_chunks(x: &Tensor, b: usize, t: usize, h: usize, dtype: DType) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(from_chunks_op(x, b, t, h, dtype)?)
+}
+
+/// [`from_chunks`]'s op, for a caller that runs its forward on a storage itself.
+pub(crate) fn from_chunks_op(x: &Tensor, b: usize, t: usize, h: usize, dtype: DType) -> Result<FromChunks> {
     let (n, bh, c, d) = x.dims4()?;
     if bh != b * h || t > n * c || t + c <= n * c {
         candle_core::bail!("chunk layout: {:?} does not hold {b} x {t} x {h} in chunks", x.dims());
     }
-    x.contiguous()?.apply_op1(FromChunks(ChunkLayout { b, t, h, c, d, width: d, off: 0 }, dtype))
+    Ok(FromChunks(ChunkLayout { b, t, h, c, d, width: d, off: 0 }, dtype))
+}
+
+/// Per-step scalars x [B,T,H] (β, a log decay) → [N,B·H,C] float32, T zero-padded to N·C: the
+/// composed layout change, in candle ops (the scalars are small).
+pub(crate) fn scalars_to_chunks(x: &Tensor, c: usize) -> Result<Tensor> {
+    let (b, t, h) = x.dims3()?;
+    let n = t.div_ceil(c);
+    let x = x.to_dtype(DType::F32)?;
+    let x = if n * c > t { x.pad_with_zeros(1, 0, n * c - t)? } else { x };
+    x.reshape((b, n, c, h))?.permute((1, 0, 3, 2))?.reshape((n, b * h, c))
+}
+
+/// [`scalars_to_chunks`] backwards: [N,B·H,C] → [B,T,H], the padding dropped.
+pub(crate) fn scalars_from_chunks(x: &Tensor, b: usize, t: usize, h: usize) -> Result<Tensor> {
+    let (n, _, c) = x.dims3()?;
+    x.reshape((n, b, h, c))?.permute((1, 0, 3, 2))?.reshape((b, n * c, h))?.narrow(1, 0, t)
 }
 
 /// Model-layout values as float32 on the CPU.
@@ -128,7 +149,7 @@ impl CustomOp2 for ToChunksPair {
 }
 
 /// Columns off..off+d of a chunk-layout float32 tensor, to the model layout in a dtype.
-struct FromChunks(ChunkLayout, DType);
+pub(crate) struct FromChunks(ChunkLayout, DType);
 
 impl CustomOp1 for FromChunks {
     fn name(&self) -> &'static str {

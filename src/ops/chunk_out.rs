@@ -40,6 +40,7 @@ impl OutDims {
 /// O [N,BH,C,dv] float32, differentiable in every input: qk [N,BH,C,2dk] (queries then keys, the
 /// queries unscaled), `walked` the walk's flat output (U [N,BH,C,dv] then the states
 /// [N+1,BH,dk,dv]) and γ [N,BH,C] (no decay without it). `tensor`: see [`OutDims::tensor`].
+#[cfg(test)]
 pub(crate) fn output(
     qk: &Tensor,
     walked: &Tensor,
@@ -48,17 +49,24 @@ pub(crate) fn output(
     dv: usize,
     tensor: bool,
 ) -> Result<Tensor> {
+    let (n, bh, c, _) = qk.dims4()?;
+    let (op, gamma) = op(qk, gamma, scale, dv, tensor)?;
+    let o = qk.contiguous()?.apply_op3(&walked.contiguous()?, &gamma, op)?;
+    o.reshape((n, bh, c, dv))
+}
+
+/// The outputs as an op, and its third input (γ [N,BH,C] float32, zeros without a decay): for a
+/// caller that runs the op's backward itself.
+pub(crate) fn op(qk: &Tensor, gamma: Option<&Tensor>, scale: f32, dv: usize, tensor: bool) -> Result<(Out, Tensor)> {
     let (n, bh, c, dk2) = qk.dims4()?;
-    let d = OutDims { n, bh, c, dk: dk2 / 2, dv, scale, tensor };
     let gamma = match gamma {
         Some(g) => g.to_dtype(DType::F32)?.contiguous()?,
         None => Tensor::zeros((n, bh, c), DType::F32, qk.device())?,
     };
-    let o = qk.contiguous()?.apply_op3(&walked.contiguous()?, &gamma, Out(d))?;
-    o.reshape((n, bh, c, dv))
+    Ok((Out(OutDims { n, bh, c, dk: dk2 / 2, dv, scale, tensor }), gamma))
 }
 
-struct Out(OutDims);
+pub(crate) struct Out(OutDims);
 
 /// One chunk's inputs on the CPU.
 struct Chunk<'a> {

@@ -90,11 +90,18 @@ pub(crate) fn walk(x: &WalkIn) -> Result<(Tensor, Tensor)> {
 /// [`walk`]'s U and states as the op returns them, flat (for an op that reads both), and the
 /// walk's sizes.
 pub(crate) fn walk_flat(x: &WalkIn) -> Result<(Tensor, WalkDims)> {
+    let (op, extra) = op(x)?;
+    let d = op.0;
+    Ok((x.wkc.contiguous()?.apply_op3(&x.k.contiguous()?, &extra, op)?, d))
+}
+
+/// The walk as an op, and its third input (S₀, the row decays a, the key scales e, flat): for
+/// a caller that runs the op's backward itself.
+pub(crate) fn op(x: &WalkIn) -> Result<(Walk, Tensor)> {
     let (n, bh, c, dk) = x.k.dims4()?;
     let dv = x.s0.dim(2)?;
     let d = WalkDims { n, bh, c, dk, dv, delta: x.delta, tensor: x.tensor };
-    let extra = Tensor::cat(&[x.s0.flatten_all()?, x.a.flatten_all()?, x.e.flatten_all()?], 0)?;
-    Ok((x.wkc.contiguous()?.apply_op3(&x.k.contiguous()?, &extra, Walk(d))?, d))
+    Ok((Walk(d), Tensor::cat(&[x.s0.flatten_all()?, x.a.flatten_all()?, x.e.flatten_all()?], 0)?))
 }
 
 /// The final state S_N, flat [BH·dk·dv], of [`walk_flat`]'s output.
@@ -102,7 +109,7 @@ pub(crate) fn final_state(out: &Tensor, d: &WalkDims) -> Result<Tensor> {
     out.narrow(0, d.u_len() + d.n * d.state_len(), d.state_len())
 }
 
-struct Walk(WalkDims);
+pub(crate) struct Walk(pub(crate) WalkDims);
 
 /// One chunk's keys as the kernels stage them: [C, kk_width] rows of Kc | Kend.
 fn staged(d: &WalkDims, blk: usize, kc: &[f32], k: &[f32], e: &[f32]) -> Vec<f32> {

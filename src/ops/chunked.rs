@@ -20,7 +20,6 @@
 //!   O = Q̂ S₀ + (Q̂ K̃ᵀ ∘ causal) U,   S_C = diag(e^{Γ_C}) S₀ + (K ∘ e^{Γ_C − Γ})ᵀ U
 //! in float64 over short chunks, so that e^−Γ stays finite.
 
-use super::chunk_layout::{from_chunks, to_chunks, to_chunks_pair};
 use super::chunk_walk::WalkIn;
 use super::recurrence::{Recurrence, Rule};
 use candle_core::{DType, Device, Result, Tensor};
@@ -147,54 +146,11 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     Ok((o.contiguous()?, s.reshape((b, h, dk, dv))?))
 }
 
-/// [`forward_in`]'s kernel form with a decay per head (or none): the intra-chunk solve, the walk
-/// and the outputs each one op with its own backward ([`super::chunk_intra`],
-/// [`super::chunk_walk`], [`super::chunk_out`]); only the layout and the decays' cumulative sums
-/// are candle ops.
+/// [`forward_in`]'s kernel form with a decay per head (or none): one op each way
+/// ([`super::chunk_recurrence`]).
 fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
-    let (b, t, h, dk) = rec.q.dims4()?;
-    let dv = rec.v.dim(3)?;
-    let c = CHUNK.min(t.next_power_of_two());
-    let n = t.div_ceil(c);
-    let mark = |stage| crate::profile::mark(stage, rec.q.device());
-    mark("chunked: before");
-    let tensor = tensor_cores(rec);
-    // Queries and keys side by side for the outputs op (which applies the queries' scale), the
-    // keys alone for the solve and the walk.
-    let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
-    let k = to_chunks(rec.k, c)?;
-    let v = to_chunks(rec.v, c)?;
-    let scalar = |x: &Tensor| chunks(&x.unsqueeze(3)?, c)?.squeeze(3); // [N,BH,C]
-    let beta = scalar(rec.beta)?;
-    let gamma = rec.g.map(|g| scalar(g)?.cumsum(2)).transpose()?;
-    mark("chunked: inputs to chunks");
-    // W | Kc as the solve returns them, flat: the walk reads them there.
-    let wkc = match rec.rule {
-        Rule::Plain => v.broadcast_mul(&beta.unsqueeze(3)?)?.flatten_all()?,
-        Rule::Delta => super::chunk_intra::solve_flat(&k, &v, &beta, gamma.as_ref(), tensor)?,
-    };
-    mark("chunked: W and Kc");
-    // Kend = diag(e^{γ_C − γ}) K, and the state's rows decay by e^{γ_C} over a chunk.
-    let (e, rows) = match &gamma {
-        Some(g) => {
-            let last = g.narrow(2, c - 1, 1)?; // [N,BH,1]
-            (last.broadcast_sub(g)?.exp()?, last.exp()?.broadcast_as((n, b * h, dk))?)
-        }
-        None => {
-            let ones = |shape: (usize, usize, usize)| Tensor::ones(shape, DType::F32, rec.q.device());
-            (ones((n, b * h, c))?, ones((n, b * h, dk))?)
-        }
-    };
-    let s0 = initial_state(rec, DType::F32)?;
-    let x = WalkIn { wkc: &wkc, delta: rec.rule == Rule::Delta, k: &k, e: &e, s0: &s0, a: &rows, tensor };
-    let (walked, walk) = super::chunk_walk::walk_flat(&x)?;
-    mark("chunked: walk");
-    let o = super::chunk_out::output(&qk, &walked, gamma.as_ref(), rec.scale as f32, dv, tensor)?;
-    mark("chunked: outputs");
-    let o = from_chunks(&o, b, t, h, DType::F32)?;
-    let state = super::chunk_walk::final_state(&walked, &walk)?;
-    mark("chunked: output layout");
-    Ok((o, state.reshape((b, h, dk, dv))?))
+    let c = CHUNK.min(rec.q.dim(1)?.next_power_of_two());
+    super::chunk_recurrence::forward(rec, c, tensor_cores(rec))
 }
 
 /// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype

@@ -3,6 +3,7 @@
 mod chunk_intra;
 mod chunk_layout;
 mod chunk_out;
+mod chunk_recurrence;
 mod chunk_walk;
 pub mod chunked;
 pub mod conv;

@@ -1,0 +1,338 @@
+//! The chunked recurrence with a decay per head (or none) as one op with its own backward: the
+//! intra-chunk solve ([`super::chunk_intra`]), the walk ([`super::chunk_walk`]) and the outputs
+//! ([`super::chunk_out`]) run in sequence each way, and the autograd graph holds only the op's
+//! inputs (queries and keys in chunks, the values, and β | g | S₀ flat) and its outputs.
+//!
+//! candle's backward stores every gradient by adding it to a fresh zero tensor, one full-size add
+//! per edge of the graph. As separate ops, the steps between the chunk kernels were a dozen such
+//! edges over [N, B·H, C, ·] float32 tensors (W | Kc, U | states, the chunked outputs and
+//! values), and the final state's narrow padded its gradient to the walk's whole output. Here
+//! the backward hands each step's gradient to the next directly.
+//!
+//! The final state is a second op over the same inputs and the same saved steps, so that a loss
+//! that never reads it (training on whole sequences) never runs its backward, and one that reads
+//! both gets the sum of the two backwards, which is the whole gradient: the backward is linear
+//! in the outputs' gradients.
+
+use super::chunk_intra::{self, Intra};
+use super::chunk_layout::{from_chunks, from_chunks_op, scalars_from_chunks, scalars_to_chunks, to_chunks};
+use super::chunk_layout::{to_chunks_pair, FromChunks};
+use super::chunk_out::{self, Out};
+use super::chunk_walk::{self, final_state, Walk, WalkIn};
+use super::recurrence::{Recurrence, Rule};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use std::sync::Arc;
+
+/// Outputs o [B,T,H,dv] and final state [B,H,dk,dv], both float32, in chunks of `c` (a power of
+/// two); `tensor`: whether the chunk kernels may multiply on tensor cores.
+pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, dk) = rec.q.dims4()?;
+    let dv = rec.v.dim(3)?;
+    let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
+    let mut scalars = vec![rec.beta.to_dtype(DType::F32)?.flatten_all()?];
+    for x in [rec.g, rec.initial].into_iter().flatten() {
+        scalars.push(x.to_dtype(DType::F32)?.flatten_all()?);
+    }
+    let scal = Tensor::cat(&scalars, 0)?;
+    let shape = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
+    let saved = Saved::run(&qk.detach(), &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
+    let state_shape = (b, h, dk, dv);
+    if super::untracked(&[&qk, rec.v, &scal]) {
+        let o = from_chunks(&saved.o, b, t, h, DType::F32)?;
+        return Ok((o, saved.state.reshape(state_shape)?));
+    }
+    let saved = Arc::new(saved);
+    let o = qk.apply_op3(rec.v, &scal, Outputs(saved.clone()))?;
+    let state = qk.apply_op3(rec.v, &scal, FinalState(saved))?;
+    Ok((o, state.reshape(state_shape)?))
+}
+
+/// The recurrence's sizes, and which of the optional inputs the scalars carry.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    b: usize,
+    t: usize,
+    h: usize,
+    c: usize,
+    dk: usize,
+    dv: usize,
+    gated: bool,
+    initial: bool,
+}
+
+/// What the forward computed, kept for the backward: every step's inputs and outputs, float32.
+struct Saved {
+    s: Sizes,
+    v_dtype: DType,
+    /// Queries then keys in chunks [N,BH,C,2dk] (the op's first input).
+    qk: Tensor,
+    /// The keys alone [N,BH,C,dk] and the values [N,BH,C,dv], in chunks.
+    k: Tensor,
+    v: Tensor,
+    /// β [N,BH,C].
+    beta: Tensor,
+    /// The walk's key scales e = e^{γ_C − γ} [N,BH,C], and γ_C [N,BH,1] (with a decay).
+    e: Tensor,
+    last: Option<Tensor>,
+    /// The solve and its β | γ input (delta rule); its output W | Kc (β V alone for the plain rule).
+    solve: Option<(Intra, Tensor)>,
+    wkc: Tensor,
+    walk: Walk,
+    walk_extra: Tensor,
+    walked: Tensor,
+    out: Out,
+    out_gamma: Tensor,
+    /// The outputs in chunks [N,BH,C,dv], the op that lays them out [B,T,H,dv], and the final
+    /// state [BH·dk·dv] in a buffer of its own.
+    o: Tensor,
+    unchunk: FromChunks,
+    state: Tensor,
+}
+
+impl Saved {
+    /// The forward, on untracked inputs: exactly the steps the separate ops take.
+    fn run(qk: &Tensor, v: &Tensor, scal: &Tensor, s: Sizes, rec: &Recurrence, tensor: bool) -> Result<Saved> {
+        let (b, t, h, c, dk, dv) = (s.b, s.t, s.h, s.c, s.dk, s.dv);
+        let (n, bh) = (t.div_ceil(c), b * h);
+        let k = qk.narrow(3, dk, dk)?.contiguous()?;
+        let vc = to_chunks(v, c)?;
+        let len = b * t * h;
+        let beta = scalars_to_chunks(&scal.narrow(0, 0, len)?.reshape((b, t, h))?, c)?;
+        let gamma = match s.gated {
+            true => Some(scalars_to_chunks(&scal.narrow(0, len, len)?.reshape((b, t, h))?, c)?.cumsum(2)?),
+            false => None,
+        };
+        let delta = rec.rule == Rule::Delta;
+        let (solve, wkc) = match delta {
+            true => {
+                let (op, sc) = chunk_intra::op(&k, &vc, &beta, gamma.as_ref(), tensor)?;
+                let wkc = k.apply_op3_no_bwd(&vc, &sc, &op)?;
+                (Some((op, sc)), wkc)
+            }
+            false => (None, vc.broadcast_mul(&beta.unsqueeze(3)?)?.flatten_all()?),
+        };
+        // Kend = diag(e^{γ_C − γ}) K, and the state's rows decay by e^{γ_C} over a chunk.
+        let (e, rows, last) = match &gamma {
+            Some(g) => {
+                let last = g.narrow(2, c - 1, 1)?; // [N,BH,1]
+                (last.broadcast_sub(g)?.exp()?, last.exp()?.broadcast_as((n, bh, dk))?, Some(last))
+            }
+            None => {
+                let ones = |shape: (usize, usize, usize)| Tensor::ones(shape, DType::F32, k.device());
+                (ones((n, bh, c))?, ones((n, bh, dk))?, None)
+            }
+        };
+        let s0 = match s.initial {
+            true => scal.narrow(0, len * (1 + s.gated as usize), bh * dk * dv)?.reshape((bh, dk, dv))?,
+            false => Tensor::zeros((bh, dk, dv), DType::F32, k.device())?,
+        };
+        let x = WalkIn { wkc: &wkc, delta, k: &k, e: &e, s0: &s0, a: &rows, tensor };
+        let (walk, walk_extra) = chunk_walk::op(&x)?;
+        let walked = wkc.apply_op3_no_bwd(&k, &walk_extra, &walk)?;
+        let (out, out_gamma) = chunk_out::op(qk, gamma.as_ref(), rec.scale as f32, dv, tensor)?;
+        let o = qk.apply_op3_no_bwd(&walked, &out_gamma, &out)?.reshape((n, bh, c, dv))?;
+        let unchunk = from_chunks_op(&o, b, t, h, DType::F32)?;
+        let state = final_state(&walked, &walk.0)?.force_contiguous()?;
+        Ok(Saved {
+            s,
+            v_dtype: v.dtype(),
+            qk: qk.clone(),
+            k,
+            v: vc,
+            beta,
+            e,
+            last,
+            solve,
+            wkc,
+            walk,
+            walk_extra,
+            walked,
+            out,
+            out_gamma,
+            o,
+            unchunk,
+            state,
+        })
+    }
+
+    /// The gradients of the op's inputs (qk, v, β | g | S₀) from those of its outputs, either of
+    /// which may be absent (zero).
+    fn backward(&self, go: Option<&Tensor>, gs: Option<&Tensor>) -> Result<(Tensor, Tensor, Tensor)> {
+        let s = self.s;
+        let (n, bh, c, dk) = (s.t.div_ceil(s.c), s.b * s.h, s.c, s.dk);
+        let some = |x: Option<Tensor>, what: &str| {
+            x.ok_or_else(|| candle_core::Error::Msg(format!("chunk recurrence: no gradient of {what}")))
+        };
+        let mark = |stage| crate::profile::mark(stage, self.qk.device());
+        mark("backward: before the recurrence");
+        // The outputs: dqk, d(U | states) and dγ.
+        let (dqk, dwalked, dgamma) = match go {
+            Some(go) => {
+                let go = to_chunks(&go.to_dtype(DType::F32)?, c)?;
+                let (a, b, g) = self.out.bwd(&self.qk, &self.walked, &self.out_gamma, &self.o, &go)?;
+                (some(a, "qk")?, some(b, "the walk")?, Some(some(g, "γ")?))
+            }
+            None => (self.qk.zeros_like()?, self.walked.zeros_like()?, None),
+        };
+        mark("backward: outputs");
+        // The outputs never read the final state: its gradient is the final state's alone.
+        if let Some(gs) = gs {
+            let len = bh * dk * s.dv;
+            let last = dwalked.narrow(0, dwalked.dim(0)? - len, len)?;
+            last.slice_set(&gs.to_dtype(DType::F32)?.flatten_all()?.contiguous()?, 0, 0)?;
+        }
+        let (dwkc, dk_walk, dextra) = self.walk.bwd(&self.wkc, &self.k, &self.walk_extra, &self.walked, &dwalked)?;
+        let (dwkc, dk_walk, dextra) = (some(dwkc, "W")?, some(dk_walk, "k")?, some(dextra, "S₀")?);
+        // The solve (or the plain rule's W = β V).
+        let (d_k, d_v, dbeta, dgamma_solve) = match &self.solve {
+            Some((op, sc)) => {
+                let (dk, dv, ds) = op.bwd(&self.k, &self.v, sc, &self.wkc, &dwkc)?;
+                let ds = some(ds, "β")?;
+                ((some(dk, "k")? + dk_walk)?, some(dv, "v")?, ds.get(0)?, Some(ds.get(1)?))
+            }
+            None => {
+                let dw = dwkc.reshape(self.v.shape())?;
+                (dk_walk, dw.broadcast_mul(&self.beta.unsqueeze(3)?)?, (dw * &self.v)?.sum(3)?, None)
+            }
+        };
+        mark("backward: walk and solve");
+        let state_len = bh * dk * s.dv;
+        let mut dscal = vec![scalars_from_chunks(&dbeta, s.b, s.t, s.h)?.flatten_all()?];
+        if let Some(last) = &self.last {
+            // γ reaches the outputs, the solve, the key scales e = e^{γ_C − γ} and the row
+            // decays e^{γ_C}; then γ = cumsum(g) within each chunk.
+            let da = dextra.narrow(0, state_len, n * bh * dk)?.reshape((n, bh, dk))?;
+            let de = dextra.narrow(0, state_len + n * bh * dk, n * bh * c)?.reshape((n, bh, c))?;
+            let ed = (&self.e * de)?;
+            let mut dg = match dgamma {
+                Some(d) => (d - &ed)?,
+                None => ed.neg()?,
+            };
+            if let Some(d) = dgamma_solve {
+                dg = (dg + d)?;
+            }
+            let dlast = (ed.sum_keepdim(2)? + last.exp()?.broadcast_mul(&da.sum_keepdim(2)?)?)?;
+            let at_end = unit_row(c, c - 1, dg.device())?;
+            dg = dg.broadcast_add(&dlast.broadcast_mul(&at_end)?)?;
+            // dg_t = Σ_{s ≥ t} dγ_s.
+            let suffix = suffix_sums(c, dg.device())?;
+            let dg = dg.reshape((n * bh, c))?.matmul(&suffix)?.reshape((n, bh, c))?;
+            dscal.push(scalars_from_chunks(&dg, s.b, s.t, s.h)?.flatten_all()?);
+        }
+        if s.initial {
+            dscal.push(dextra.narrow(0, 0, state_len)?);
+        }
+        // The keys' gradient from the solve and the walk joins the outputs'.
+        let dqk = Tensor::cat(&[dqk.narrow(3, 0, dk)?, (dqk.narrow(3, dk, dk)? + d_k)?], 3)?;
+        let d_v = from_chunks(&d_v, s.b, s.t, s.h, self.v_dtype)?;
+        mark("backward: recurrence layout");
+        Ok((dqk, d_v, Tensor::cat(&dscal, 0)?))
+    }
+}
+
+/// [c] zeros with a one at `i`.
+fn unit_row(c: usize, i: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    Tensor::from_vec((0..c).map(|j| (j == i) as u8 as f32).collect(), c, dev)
+}
+
+/// [c, c] with M_st = 1 for t ≤ s: x · M sums each suffix of x (the backward of a cumulative sum).
+fn suffix_sums(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
+    Tensor::from_vec((0..c * c).map(|i| (i % c <= i / c) as u8 as f32).collect(), (c, c), dev)
+}
+
+/// The outputs o [B,T,H,dv]: the forward lays out the saved chunked outputs.
+struct Outputs(Arc<Saved>);
+
+/// The final state [B·H·dk·dv]: the forward copies the saved one.
+struct FinalState(Arc<Saved>);
+
+/// The saved tensor `t`'s CPU storage, for an op's CPU half.
+fn on_cpu<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cpu(s) => f(s, l),
+        _ => candle_core::bail!("chunk recurrence: the saved steps are not on the CPU"),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn on_gpu<R>(t: &Tensor, f: impl FnOnce(&candle_core::CudaStorage, &Layout) -> Result<R>) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    let (s, l) = super::cuda::on_gpu(&s, l, "chunk recurrence")?;
+    f(s, l)
+}
+
+type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+impl CustomOp3 for Outputs {
+    fn name(&self) -> &'static str {
+        "statecut-chunk-recurrence"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        on_cpu(&self.0.o, |s, l| self.0.unchunk.cpu_fwd(s, l))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        on_gpu(&self.0.o, |s, l| self.0.unchunk.cuda_fwd(s, l))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
+        let (a, b, c) = self.0.backward(Some(grad), None)?;
+        Ok((Some(a), Some(b), Some(c)))
+    }
+}
+
+impl CustomOp3 for FinalState {
+    fn name(&self) -> &'static str {
+        "statecut-chunk-recurrence-state"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        on_cpu(&self.0.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        on_gpu(&self.0.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
+        let (a, b, c) = self.0.backward(None, Some(grad))?;
+        Ok((Some(a), Some(b), Some(c)))
+    }
+}
