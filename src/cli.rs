@@ -407,6 +407,19 @@ pub struct RecoveryArgs {
     /// under OUTPUT/adapters.
     #[arg(long)]
     pub save_adapters: bool,
+    /// Which blocks the backward recomputes from their inputs: auto (on a GPU, blocks keep
+    /// their activations from the forward while the free memory allows; on the CPU, all are
+    /// recomputed), all (the least memory), none (the most).
+    #[arg(long, value_enum, default_value_t = Recompute::Auto)]
+    pub recompute: Recompute,
+}
+
+/// Which blocks a training step recomputes in its backward (see `RecoveryArgs::recompute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Recompute {
+    Auto,
+    All,
+    None,
 }
 
 impl RecoveryArgs {

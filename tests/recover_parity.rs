@@ -11,9 +11,10 @@ use statecut::arch::layered::Resident;
 use statecut::arch::trainable::{Selector, Trainable};
 use statecut::arch::{family_for, LoadOptions};
 use statecut::checkpoint::Checkpoint;
+use statecut::cli::Recompute;
 use statecut::recover::loss::KdConfig;
 use statecut::recover::plan::plan;
-use statecut::recover::stages::train_pass;
+use statecut::recover::stages::Pass;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
@@ -71,7 +72,8 @@ fn recovery_loss_and_gradients_match_pytorch() {
     let cfg = KdConfig { temperature: 2.0, kd_weight: 1.0, lm_weight: 1.0 };
     let mut acc: HashMap<String, Tensor> = HashMap::new();
     let tokens = b * (t - 1);
-    let parts = train_pass(&student, &teacher, &inputs, &targets, &cfg, 1.0 / tokens as f64, &vars, &mut acc).unwrap();
+    let pass = Pass::new(&student, &teacher, &cfg, Recompute::All);
+    let parts = pass.run(&inputs, &targets, 1.0 / tokens as f64, &vars, &mut acc).unwrap();
 
     let mut failures = Vec::new();
     let want = reference["loss"].to_vec1::<f64>().unwrap()[0];

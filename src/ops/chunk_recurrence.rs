@@ -36,7 +36,7 @@ pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tenso
     }
     let scal = Tensor::cat(&scalars, 0)?;
     let shape = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
-    let saved = Saved::run(&qk.detach(), &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
+    let saved = Saved::run(&qk.detach(), &rec.k.detach(), &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
     let state_shape = (b, h, dk, dv);
     if super::untracked(&[&qk, rec.v, &scal]) {
         let o = from_chunks(&saved.o, b, t, h, DType::F32)?;
@@ -92,10 +92,20 @@ struct Saved {
 
 impl Saved {
     /// The forward, on untracked inputs: exactly the steps the separate ops take.
-    fn run(qk: &Tensor, v: &Tensor, scal: &Tensor, s: Sizes, rec: &Recurrence, tensor: bool) -> Result<Saved> {
+    /// `k` is the keys in the model's layout: laid out in chunks again rather than copied out
+    /// of `qk`'s columns, a strided copy several times slower.
+    fn run(
+        qk: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scal: &Tensor,
+        s: Sizes,
+        rec: &Recurrence,
+        tensor: bool,
+    ) -> Result<Saved> {
         let (b, t, h, c, dk, dv) = (s.b, s.t, s.h, s.c, s.dk, s.dv);
         let (n, bh) = (t.div_ceil(c), b * h);
-        let k = qk.narrow(3, dk, dk)?.contiguous()?;
+        let k = to_chunks(k, c)?;
         let vc = to_chunks(v, c)?;
         let len = b * t * h;
         let beta = scalars_to_chunks(&scal.narrow(0, 0, len)?.reshape((b, t, h))?, c)?;

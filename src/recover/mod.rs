@@ -137,8 +137,9 @@ fn steps_of(args: &RecoverArgs) -> usize {
 fn command_of(args: &RecoverArgs, steps: usize) -> String {
     let a = args;
     format!(
-        "statecut recover -m {} --teacher {} --data {} -o {} --steps {steps} --batch-size {} --seqlen {} --grad-accum {} --lora-rank {} --lora-alpha {} --lr {} --min-lr-ratio {} --warmup {} --weight-decay {} --clip {} --kd-temperature {} --kd-weight {} --lm-weight {} --train {} --seed {}",
-        a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.recipe.grad_accum, a.recipe.lora_rank, a.recipe.lora_alpha, a.recipe.lr, a.recipe.min_lr_ratio, a.recipe.warmup, a.recipe.weight_decay, a.recipe.clip, a.recipe.kd_temperature, a.recipe.kd_weight, a.recipe.lm_weight, a.recipe.train, a.seed
+        "statecut recover -m {} --teacher {} --data {} -o {} --steps {steps} --batch-size {} --seqlen {} --grad-accum {} --lora-rank {} --lora-alpha {} --lr {} --min-lr-ratio {} --warmup {} --weight-decay {} --clip {} --kd-temperature {} --kd-weight {} --lm-weight {} --train {} --seed {} --recompute {}",
+        a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.recipe.grad_accum, a.recipe.lora_rank, a.recipe.lora_alpha, a.recipe.lr, a.recipe.min_lr_ratio, a.recipe.warmup, a.recipe.weight_decay, a.recipe.clip, a.recipe.kd_temperature, a.recipe.kd_weight, a.recipe.lm_weight, a.recipe.train, a.seed,
+        clap::ValueEnum::to_possible_value(&a.recipe.recompute).map_or_else(String::new, |v| v.get_name().to_string())
     )
 }
 
@@ -320,6 +321,7 @@ impl<'a> Job<'a> {
         let train_start = Instant::now();
         let first = progress.step;
         let mut bad_run = 0;
+        let pass = stages::Pass::new(&student, &teacher, &kd, args.recipe.recompute);
         let last = args.stop_after.map_or(self.steps, |s| s.min(self.steps));
         while progress.step < last {
             let step = progress.step;
@@ -333,8 +335,8 @@ impl<'a> Job<'a> {
                 let first_seq = (step * args.recipe.grad_accum + micro) * args.batch_size;
                 let batch: Vec<&[u32]> = (0..args.batch_size).map(|i| train[order.at(first_seq + i)]).collect();
                 let (ids, targets) = batch_tensors(&batch, &device)?;
-                parts += stages::train_pass(&student, &teacher, &ids, &targets, &kd, scale, &vars, &mut acc)
-                    .with_context(|| format!("step {}", step + 1))?;
+                parts +=
+                    pass.run(&ids, &targets, scale, &vars, &mut acc).with_context(|| format!("step {}", step + 1))?;
             }
             let mut grads = params.grads(&acc)?;
             drop(acc);
@@ -367,6 +369,19 @@ impl<'a> Job<'a> {
                 skipped,
                 seconds: step_start.elapsed().as_secs_f64(),
             });
+            if progress.step == first && !quiet && args.recipe.recompute == crate::cli::Recompute::Auto {
+                let (kept, held) = pass.kept();
+                let blocks = student.blocks.len();
+                if kept > 0 {
+                    pb.suspend(|| {
+                        eprintln!(
+                            "{kept} of {blocks} blocks keep their activations for the backward ({:.1} GiB each), {} are recomputed",
+                            held as f64 / (1u64 << 30) as f64,
+                            blocks - kept
+                        )
+                    });
+                }
+            }
             progress.step += 1;
             progress.adam_t = opt.t;
             let rate = ((progress.step - first) as u64 * tokens_per_step) as f64 / train_start.elapsed().as_secs_f64();

@@ -1,11 +1,13 @@
 //! A model as stages (embedding, blocks, head) run for training with activation
-//! checkpointing: the forward keeps only each block's input, the loss runs over chunks of token
-//! rows, and the backward recomputes one block at a time from its input, carrying the gradient
-//! of the residual stream down through `sum(block(x) · g)`.
+//! checkpointing: the forward keeps each block's input (and, while memory allows, the block's
+//! whole graph), the loss runs over chunks of token rows, and the backward goes one block at a
+//! time, recomputing those that kept only their input, carrying the gradient of the residual
+//! stream down from each block's output.
 
 use super::loss::{self, KdConfig, Parts};
 use crate::arch::layered::{self, Resident};
 use crate::arch::NoObserver;
+use crate::cli::Recompute;
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor, Var};
 use std::collections::HashMap;
@@ -60,71 +62,184 @@ fn accumulate(
     Ok(())
 }
 
-/// One micro-batch: the student's loss against the teacher on `ids` [B, T] predicting
-/// `targets` [B, T], scaled by `scale`, with the gradients of `vars` added to `acc`.
-#[allow(clippy::too_many_arguments)]
-pub fn train_pass(
-    student: &Resident,
-    teacher: &Resident,
-    ids: &Tensor,
-    targets: &Tensor,
-    cfg: &KdConfig,
-    scale: f64,
-    vars: &[(String, Var)],
-    acc: &mut HashMap<String, Tensor>,
-) -> Result<Parts> {
-    let t_hidden = if cfg.kd_weight > 0.0 { Some(final_hidden(teacher, ids)?) } else { None };
-    // Forward, keeping each block's input only.
-    let mut h = layered::embed(&*student.layers, &student.embed, ids, &mut NoObserver)?.detach();
-    let mut inputs = Vec::with_capacity(student.blocks.len());
-    for (i, blk) in student.blocks.iter().enumerate() {
-        // Inference kernels: nothing differentiates this pass, only its recomputation below.
-        let out = crate::ops::without_gradients(|| blk.forward(&h, &mut NoObserver, None))
-            .with_context(|| format!("layer {i}"))?
-            .detach();
-        inputs.push(std::mem::replace(&mut h, out));
+/// One micro-batch's training pass: the student, the teacher (the same model with the
+/// original slices) and the loss.
+pub struct Pass<'a> {
+    student: &'a Resident,
+    teacher: &'a Resident,
+    kd: &'a KdConfig,
+    recompute: Recompute,
+    /// Blocks that kept their graph in the last pass, and the most one held (bytes).
+    kept: std::cell::Cell<(usize, usize)>,
+}
+
+impl<'a> Pass<'a> {
+    pub fn new(student: &'a Resident, teacher: &'a Resident, kd: &'a KdConfig, recompute: Recompute) -> Self {
+        Self { student, teacher, kd, recompute, kept: Default::default() }
     }
-    // The loss over chunks of rows, each chunk's logits freed before the next.
-    let (b, t, d) = h.dims3()?;
-    let rows = h.reshape((b * t, d))?;
-    let t_rows = t_hidden.map(|th| th.reshape((b * t, d))).transpose()?;
-    let targets = targets.flatten_all()?;
-    let step = chunk_rows(student, student.head.lm_head.weight().dim(0)?);
-    let mut parts = Parts::default();
-    let mut g_rows = Vec::new();
-    for start in (0..b * t).step_by(step) {
-        let n = step.min(b * t - start);
-        let x = Var::from_tensor(&rows.narrow(0, start, n)?)?;
-        let s_logits = logits(student, x.as_tensor())?;
-        let t_logits = match &t_rows {
-            Some(tr) => logits(teacher, &tr.narrow(0, start, n)?)?,
-            None => s_logits.detach(),
-        };
-        let (loss, p) = loss::chunk(&s_logits, &t_logits, &targets.narrow(0, start, n)?, cfg, scale)?;
-        let grads = loss.backward()?;
-        accumulate(vars, &grads, acc)?;
-        g_rows.push(grads.get(x.as_tensor()).context("no gradient reached the final hidden state")?.clone());
-        parts += p;
+
+    /// How many blocks kept their graph in the last pass, and the most memory one held (bytes;
+    /// 0 where it was not measured).
+    pub fn kept(&self) -> (usize, usize) {
+        self.kept.get()
     }
-    let mut g = Tensor::cat(&g_rows, 0)?.reshape((b, t, d))?.to_dtype(h.dtype())?;
-    drop((rows, h));
-    // Backward, one recomputed block at a time.
-    for i in (0..student.blocks.len()).rev() {
-        let input = inputs.pop().context("block inputs out of step")?;
-        let x = Var::from_tensor(&input)?;
-        drop(input);
-        let y =
-            student.blocks[i].forward(x.as_tensor(), &mut NoObserver, None).with_context(|| format!("layer {i}"))?;
-        let grads = crate::ops::seed_gradient(&y, &g)?.backward()?;
-        accumulate(vars, &grads, acc)?;
-        if i > 0 {
-            g = grads
-                .get(x.as_tensor())
-                .with_context(|| format!("no gradient reached the input of layer {i}"))?
-                .clone();
+
+    /// The student's loss against the teacher on `ids` [B, T] predicting `targets` [B, T],
+    /// scaled by `scale`, with the gradients of `vars` added to `acc`.
+    pub fn run(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        vars: &[(String, Var)],
+        acc: &mut HashMap<String, Tensor>,
+    ) -> Result<Parts> {
+        let (student, teacher, cfg) = (self.student, self.teacher, self.kd);
+        let t_hidden = if cfg.kd_weight > 0.0 { Some(final_hidden(teacher, ids)?) } else { None };
+        // Forward, keeping each block's input, and a block's whole graph where `keep` allows.
+        let mut h = layered::embed(&*student.layers, &student.embed, ids, &mut NoObserver)?.detach();
+        let mut keep = Keep::new(self.recompute, student.layers.device());
+        let mut saved = Vec::with_capacity(student.blocks.len());
+        for (i, blk) in student.blocks.iter().enumerate() {
+            let at = |e: anyhow::Error| e.context(format!("layer {i}"));
+            let out = match keep.next() {
+                true => {
+                    let x = Var::from_tensor(&h)?;
+                    let y = blk.forward(x.as_tensor(), &mut NoObserver, None).map_err(at)?;
+                    keep.kept_one();
+                    let out = y.detach();
+                    saved.push(Saved::Graph(x, y));
+                    out
+                }
+                false => {
+                    // Inference kernels: nothing differentiates this pass, only its recomputation.
+                    let out =
+                        crate::ops::without_gradients(|| blk.forward(&h, &mut NoObserver, None)).map_err(at)?.detach();
+                    saved.push(Saved::Input(h.clone()));
+                    out
+                }
+            };
+            h = out;
+        }
+        self.kept.set((keep.kept, keep.first.map_or(0, |f| f.0)));
+        // The loss over chunks of rows, each chunk's logits freed before the next.
+        let (b, t, d) = h.dims3()?;
+        let rows = h.reshape((b * t, d))?;
+        let t_rows = t_hidden.map(|th| th.reshape((b * t, d))).transpose()?;
+        let targets = targets.flatten_all()?;
+        let step = chunk_rows(student, student.head.lm_head.weight().dim(0)?);
+        let mut parts = Parts::default();
+        let mut g_rows = Vec::new();
+        for start in (0..b * t).step_by(step) {
+            let n = step.min(b * t - start);
+            let x = Var::from_tensor(&rows.narrow(0, start, n)?)?;
+            let s_logits = logits(student, x.as_tensor())?;
+            let t_logits = match &t_rows {
+                Some(tr) => logits(teacher, &tr.narrow(0, start, n)?)?,
+                None => s_logits.detach(),
+            };
+            let (loss, p) = loss::chunk(&s_logits, &t_logits, &targets.narrow(0, start, n)?, cfg, scale)?;
+            let grads = loss.backward()?;
+            accumulate(vars, &grads, acc)?;
+            g_rows.push(grads.get(x.as_tensor()).context("no gradient reached the final hidden state")?.clone());
+            parts += p;
+        }
+        let mut g = Tensor::cat(&g_rows, 0)?.reshape((b, t, d))?.to_dtype(h.dtype())?;
+        drop((rows, h));
+        // Backward, one block at a time, recomputing those that kept only their input.
+        for i in (0..student.blocks.len()).rev() {
+            let (x, y) = match saved.pop().context("block inputs out of step")? {
+                Saved::Graph(x, y) => (x, y),
+                Saved::Input(input) => {
+                    let x = Var::from_tensor(&input)?;
+                    drop(input);
+                    let y = student.blocks[i]
+                        .forward(x.as_tensor(), &mut NoObserver, None)
+                        .with_context(|| format!("layer {i}"))?;
+                    (x, y)
+                }
+            };
+            let grads = crate::ops::seed_gradient(&y, &g)?.backward()?;
+            drop(y);
+            accumulate(vars, &grads, acc)?;
+            if i > 0 {
+                g = grads
+                    .get(x.as_tensor())
+                    .with_context(|| format!("no gradient reached the input of layer {i}"))?
+                    .clone();
+            }
+        }
+        Ok(parts)
+    }
+}
+
+/// What the forward keeps of one block for the backward.
+enum Saved {
+    /// Its input, to recompute it from.
+    Input(Tensor),
+    /// Its input as a variable and its output with the graph between them.
+    Graph(Var, Tensor),
+}
+
+/// Which blocks keep their graph from the forward. Under [`Recompute::Auto`] on a GPU a block
+/// keeps it while the free memory, less what the block will hold, still leaves room for the
+/// rest of the step: the loss's chunks of logits, a recomputed block's forward and backward
+/// (twice what a kept block holds), and a twentieth of the device. What a block holds is
+/// measured on the first one, which is kept with half the device free; the free memory after
+/// the others is predicted from it, so that the forward waits on the device only around the
+/// first block.
+struct Keep {
+    policy: Recompute,
+    device: candle_core::Device,
+    /// Device memory in bytes.
+    total: usize,
+    /// Free memory before the first block, and (what it held, the free memory it left) after.
+    before: Option<usize>,
+    first: Option<(usize, usize)>,
+    /// Blocks kept so far.
+    kept: usize,
+}
+
+impl Keep {
+    fn new(policy: Recompute, device: &candle_core::Device) -> Self {
+        let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
+        Self { policy, device: device.clone(), total, before: None, first: None, kept: 0 }
+    }
+
+    /// Whether the next block keeps its graph.
+    fn next(&mut self) -> bool {
+        if self.kept == 0 && self.policy != Recompute::All {
+            self.before = self.free();
+        }
+        match (self.policy, self.first) {
+            (Recompute::All, _) => false,
+            (Recompute::None, _) => true,
+            (Recompute::Auto, None) => self.kept == 0 && self.before.is_some_and(|f| f >= self.total / 2),
+            (Recompute::Auto, Some((block, after))) => {
+                let free = after.saturating_sub((self.kept - 1) * block);
+                free >= 3 * block + chunk_logit_bytes(&self.device) + self.total / 20
+            }
         }
     }
-    Ok(parts)
+
+    /// A block kept its graph: the first one measures what it held.
+    fn kept_one(&mut self) {
+        if self.kept == 0 {
+            if let (Some(before), Some(after)) = (self.before, self.free()) {
+                self.first = Some((before.saturating_sub(after), after));
+            }
+        }
+        self.kept += 1;
+    }
+
+    /// Free device memory after the queued work (`None` on the CPU).
+    fn free(&self) -> Option<usize> {
+        if self.device.is_cpu() {
+            return None;
+        }
+        self.device.synchronize().ok()?;
+        crate::device::free_memory(&self.device)
+    }
 }
 
 #[cfg(test)]
@@ -136,8 +251,8 @@ mod tests {
     use candle_core::Device;
     use std::sync::Arc;
 
-    /// The checkpointed, chunked pass gives the gradients of one whole-graph backward of the
-    /// same loss (cross-entropy, with the distillation term against a second copy).
+    /// The checkpointed, chunked pass, recomputing every block or none, gives the gradients of
+    /// one whole-graph backward of the same loss (cross-entropy, with the distillation term against a second copy).
     #[test]
     fn checkpointed_gradients_equal_a_whole_backward() -> Result<()> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models/gdn-moby");
@@ -167,8 +282,12 @@ mod tests {
         let wins: Vec<&[u32]> = ids.chunks(t + 1).collect();
         let (x, y) = crate::recover::batch_tensors(&wins, &Device::Cpu)?;
         let cfg = KdConfig { temperature: 2.0, kd_weight: 0.5, lm_weight: 1.0 };
+        // Every block recomputed, and every block keeping its graph.
         let mut acc = HashMap::new();
-        train_pass(&student, &teacher, &x, &y, &cfg, 1.0 / (b * t) as f64, &vars, &mut acc)?;
+        let mut kept = HashMap::new();
+        for (recompute, acc) in [(Recompute::All, &mut acc), (Recompute::None, &mut kept)] {
+            Pass::new(&student, &teacher, &cfg, recompute).run(&x, &y, 1.0 / (b * t) as f64, &vars, acc)?;
+        }
 
         // The same loss over one graph.
         let mut h = layered::embed(&*student.layers, &student.embed, &x, &mut NoObserver)?;
@@ -181,10 +300,11 @@ mod tests {
         let whole = loss.backward()?;
         for (name, v) in &vars {
             let want = whole.get(v.as_tensor()).expect("whole-graph gradient");
-            let got = &acc[name];
-            let err = ((got - want)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?)
-                / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
-            assert!(err < 1e-4, "{name}: relative error {err}");
+            for (how, got) in [("recomputed", &acc[name]), ("kept", &kept[name])] {
+                let err = ((got - want)?.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?)
+                    / want.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()?;
+                assert!(err < 1e-4, "{name} ({how}): relative error {err}");
+            }
         }
         Ok(())
     }
