@@ -200,6 +200,27 @@ struct Keep {
     kept: usize,
 }
 
+/// The memory rule of [`Recompute::Auto`], apart from the device: `total` bytes of device
+/// memory, `logits` bytes for the loss's chunks.
+struct Room {
+    total: usize,
+    logits: usize,
+}
+
+impl Room {
+    /// Whether the next block keeps its graph, with `before` bytes free before the first block,
+    /// `first` = (what the first kept block held, the free memory it left), `kept` blocks kept.
+    fn keeps(&self, before: Option<usize>, first: Option<(usize, usize)>, kept: usize) -> bool {
+        match first {
+            None => kept == 0 && before.is_some_and(|f| f >= self.total / 2),
+            Some((block, after)) => {
+                let free = after.saturating_sub((kept - 1) * block);
+                free >= 3 * block + self.logits + self.total / 20
+            }
+        }
+    }
+}
+
 impl Keep {
     fn new(policy: Recompute, device: &candle_core::Device) -> Self {
         let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
@@ -211,13 +232,12 @@ impl Keep {
         if self.kept == 0 && self.policy != Recompute::All {
             self.before = self.free();
         }
-        match (self.policy, self.first) {
-            (Recompute::All, _) => false,
-            (Recompute::None, _) => true,
-            (Recompute::Auto, None) => self.kept == 0 && self.before.is_some_and(|f| f >= self.total / 2),
-            (Recompute::Auto, Some((block, after))) => {
-                let free = after.saturating_sub((self.kept - 1) * block);
-                free >= 3 * block + chunk_logit_bytes(&self.device) + self.total / 20
+        match self.policy {
+            Recompute::All => false,
+            Recompute::None => true,
+            Recompute::Auto => {
+                let room = Room { total: self.total, logits: chunk_logit_bytes(&self.device) };
+                room.keeps(self.before, self.first, self.kept)
             }
         }
     }
@@ -250,6 +270,34 @@ mod tests {
     use crate::checkpoint::Checkpoint;
     use candle_core::Device;
     use std::sync::Arc;
+
+    /// The memory rule keeps blocks while what is left after the next one covers the loss's
+    /// logits, a recomputed block (twice a kept one) and a twentieth of the device, and keeps
+    /// none when the first block would start with less than half the device free.
+    #[test]
+    fn auto_keeps_blocks_while_memory_allows() {
+        let gib = 1usize << 30;
+        let room = Room { total: 140 * gib, logits: 4 * gib };
+        // The first block: half the device free or more.
+        assert!(room.keeps(Some(70 * gib), None, 0));
+        assert!(!room.keeps(Some(69 * gib), None, 0));
+        assert!(!room.keeps(None, None, 0), "unmeasured (the CPU): recompute");
+        // After it, 5 GiB a block from 120 GiB free: the next block needs 15 + 4 + 7 = 26 GiB
+        // left, so blocks 2..=20 are kept (free before block k is 120 - 5 (k - 1)).
+        let first = Some((5 * gib, 120 * gib));
+        let kept = (1..40).take_while(|&k| room.keeps(Some(125 * gib), first, k)).count() + 1;
+        assert_eq!(kept, 20);
+        // Whatever the sizes, the free memory predicted before a kept block covers the reserve.
+        for (block, after) in [(1, 60), (3, 100), (9, 131), (20, 70)] {
+            let first = Some((block * gib, after * gib));
+            for k in 1..200 {
+                if room.keeps(Some(140 * gib), first, k) {
+                    let free = (after * gib).saturating_sub((k - 1) * block * gib);
+                    assert!(free >= 3 * block * gib + 4 * gib + 7 * gib, "block {block} after {after} kept {k}");
+                }
+            }
+        }
+    }
 
     /// The checkpointed, chunked pass, recomputing every block or none, gives the gradients of
     /// one whole-graph backward of the same loss (cross-entropy, with the distillation term against a second copy).
