@@ -198,6 +198,8 @@ struct Keep {
     first: Option<(usize, usize)>,
     /// Blocks kept so far.
     kept: usize,
+    /// Blocks asked about so far.
+    asked: usize,
 }
 
 /// The memory rule of [`Recompute::Auto`], apart from the device: `total` bytes of device
@@ -224,14 +226,16 @@ impl Room {
 impl Keep {
     fn new(policy: Recompute, device: &candle_core::Device) -> Self {
         let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
-        Self { policy, device: device.clone(), total, before: None, first: None, kept: 0 }
+        Self { policy, device: device.clone(), total, before: None, first: None, kept: 0, asked: 0 }
     }
 
     /// Whether the next block keeps its graph.
     fn next(&mut self) -> bool {
-        if self.kept == 0 && self.policy != Recompute::All {
+        // Measured once, before the first block: a refusal there holds for the pass.
+        if self.asked == 0 && self.policy != Recompute::All {
             self.before = self.free();
         }
+        self.asked += 1;
         match self.policy {
             Recompute::All => false,
             Recompute::None => true,
