@@ -43,8 +43,8 @@ pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tenso
         return Ok((o, saved.state.reshape(state_shape)?));
     }
     let saved = Arc::new(saved);
-    let o = qk.apply_op3(rec.v, &scal, Outputs(saved.clone()))?;
-    let state = qk.apply_op3(rec.v, &scal, FinalState(saved))?;
+    let o = qk.apply_op3(rec.v, &scal, Output { saved: saved.clone(), state: false })?;
+    let state = qk.apply_op3(rec.v, &scal, Output { saved, state: true })?;
     Ok((o, state.reshape(state_shape)?))
 }
 
@@ -251,11 +251,14 @@ fn suffix_sums(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
     Tensor::from_vec((0..c * c).map(|i| (i % c <= i / c) as u8 as f32).collect(), (c, c), dev)
 }
 
-/// The outputs o [B,T,H,dv]: the forward lays out the saved chunked outputs.
-struct Outputs(Arc<Saved>);
-
-/// The final state [B·H·dk·dv]: the forward copies the saved one.
-struct FinalState(Arc<Saved>);
+/// One of the recurrence's two outputs over the saved steps: o [B,T,H,dv] (the forward lays
+/// out the saved chunked outputs) or, with `state`, the final state [B·H·dk·dv] (the forward
+/// copies the saved one). Its backward is the whole recurrence's with the other output's
+/// gradient zero.
+struct Output {
+    saved: Arc<Saved>,
+    state: bool,
+}
 
 /// The saved tensor `t`'s CPU storage, for an op's CPU half.
 fn on_cpu<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
@@ -275,9 +278,12 @@ fn on_gpu<R>(t: &Tensor, f: impl FnOnce(&candle_core::CudaStorage, &Layout) -> R
 
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
-impl CustomOp3 for Outputs {
+impl CustomOp3 for Output {
     fn name(&self) -> &'static str {
-        "statecut-chunk-recurrence"
+        match self.state {
+            false => "statecut-chunk-recurrence",
+            true => "statecut-chunk-recurrence-state",
+        }
     }
 
     fn cpu_fwd(
@@ -289,7 +295,10 @@ impl CustomOp3 for Outputs {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        on_cpu(&self.0.o, |s, l| self.0.unchunk.cpu_fwd(s, l))
+        match self.state {
+            false => on_cpu(&self.saved.o, |s, l| self.saved.unchunk.cpu_fwd(s, l)),
+            true => on_cpu(&self.saved.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone()))),
+        }
     }
 
     #[cfg(feature = "cuda")]
@@ -302,47 +311,15 @@ impl CustomOp3 for Outputs {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        on_gpu(&self.0.o, |s, l| self.0.unchunk.cuda_fwd(s, l))
+        match self.state {
+            false => on_gpu(&self.saved.o, |s, l| self.saved.unchunk.cuda_fwd(s, l)),
+            true => on_gpu(&self.saved.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone()))),
+        }
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
-        let (a, b, c) = self.0.backward(Some(grad), None)?;
-        Ok((Some(a), Some(b), Some(c)))
-    }
-}
-
-impl CustomOp3 for FinalState {
-    fn name(&self) -> &'static str {
-        "statecut-chunk-recurrence-state"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        on_cpu(&self.0.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        on_gpu(&self.0.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
-    }
-
-    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
-        let (a, b, c) = self.0.backward(None, Some(grad))?;
+        let (go, gs) = if self.state { (None, Some(grad)) } else { (Some(grad), None) };
+        let (a, b, c) = self.saved.backward(go, gs)?;
         Ok((Some(a), Some(b), Some(c)))
     }
 }

@@ -83,7 +83,7 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
     let q = (chunks(rec.q, c)? * rec.scale)?;
     let k = chunks(rec.k, c)?;
     let v = chunks(rec.v, c)?;
-    let scalar = |x: &Tensor| chunks(&x.unsqueeze(3)?, c)?.squeeze(3); // [N,BH,C]
+    let scalar = |x: &Tensor| super::chunk_layout::scalars_to_chunks(x, c); // [N,BH,C]
     let beta = scalar(rec.beta)?;
     mark("chunked: inputs to chunks");
 
