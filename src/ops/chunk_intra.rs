@@ -20,17 +20,17 @@
 
 pub(crate) use super::launch::IntraDims;
 use super::{cpu_f32, cpu_slice as slice};
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 impl IntraDims {
     fn blocks(&self) -> usize {
         self.n * self.bh
     }
-    fn k_len(&self) -> usize {
+    pub(crate) fn k_len(&self) -> usize {
         self.blocks() * self.c * self.dk
     }
-    fn v_len(&self) -> usize {
+    pub(crate) fn v_len(&self) -> usize {
         self.blocks() * self.c * self.dv
     }
     fn scalars(&self) -> usize {
@@ -217,43 +217,66 @@ impl CustomOp3 for Intra {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = self.0;
-        let back = IntraBack { d, k: k.clone(), v: v.clone(), scal: scal.clone() };
-        let out = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?;
-        let dk = out.narrow(0, 0, d.k_len())?.reshape(k.shape())?;
-        let dv = out.narrow(0, d.k_len(), d.v_len())?.reshape(v.shape())?;
-        let ds = out.narrow(0, d.k_len() + d.v_len(), 2 * d.scalars())?.reshape(scal.shape())?;
+        let dw = grad.narrow(0, 0, d.v_len())?;
+        let dkc = grad.narrow(0, d.v_len(), d.k_len())?;
+        let (dk, dv, ds) = self.grads(k, v, scal, &dw, &dkc, 1.0)?;
         Ok((Some(dk), Some(dv), Some(ds)))
     }
 }
 
-/// The solve's backward: from the gradient of its output (W then Kc), the gradients of k, v,
-/// and of β then γ, flat in that order.
+impl Intra {
+    /// The backward from dW and `kc_sign` · dKc as separate tensors (the walk's backward gives
+    /// −dKc's product as it comes, and the sign is free in the kernel): dk, dv, and β | γ.
+    pub(crate) fn grads(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        scal: &Tensor,
+        dw: &Tensor,
+        dkc: &Tensor,
+        kc_sign: f32,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let d = self.0;
+        let back = IntraBack { d, k: k.clone(), v: v.clone(), scal: scal.clone(), kc_sign };
+        let f32 = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
+        let out = f32(dw)?.apply_op2_no_bwd(&f32(dkc)?, &back)?;
+        let dk = out.narrow(0, 0, d.k_len())?.reshape(k.shape())?;
+        let dv = out.narrow(0, d.k_len(), d.v_len())?.reshape(v.shape())?;
+        let ds = out.narrow(0, d.k_len() + d.v_len(), 2 * d.scalars())?.reshape(scal.shape())?;
+        Ok((dk, dv, ds))
+    }
+}
+
+/// The solve's backward: from the gradients of its outputs W and (times `kc_sign`) Kc, the
+/// gradients of k, v, and of β then γ, flat in that order.
 struct IntraBack {
     d: IntraDims,
     k: Tensor,
     v: Tensor,
     scal: Tensor,
+    kc_sign: f32,
 }
 
-impl CustomOp1 for IntraBack {
+impl CustomOp2 for IntraBack {
     fn name(&self) -> &'static str {
         "statecut-chunk-intra-backward"
     }
 
-    fn cpu_fwd(&self, grad: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, gw: &CpuStorage, wl: &Layout, gkc: &CpuStorage, kl: &Layout) -> Result<(CpuStorage, Shape)> {
         let d = self.d;
-        let grad = slice(grad, gl, "chunk solve backward")?;
+        let gw = slice(gw, wl, "chunk solve backward")?;
+        let gkc = slice(gkc, kl, "chunk solve backward")?;
         let (k, v, scal) = (cpu_f32(&self.k)?, cpu_f32(&self.v)?, cpu_f32(&self.scal)?);
         let (beta, gamma) = scal.split_at(d.scalars());
-        let (gw, gkc) = grad.split_at(d.v_len());
         let (c, dk, dv) = (d.c, d.dk, d.dv);
         type Grads = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
         let blocks: Vec<Grads> = (0..d.blocks())
             .into_par_iter()
             .map(|b| {
                 let ch = Chunk::of(d, b, &k, &v, beta, gamma);
-                let (dw, dkc) = (&gw[b * c * dv..][..c * dv], &gkc[b * c * dk..][..c * dk]);
-                chunk_backward(&ch, dw, dkc)
+                let dw = &gw[b * c * dv..][..c * dv];
+                let dkc: Vec<f32> = gkc[b * c * dk..][..c * dk].iter().map(|x| self.kc_sign * x).collect();
+                chunk_backward(&ch, dw, &dkc)
             })
             .collect();
         let (lk, lv, ls) = (d.k_len(), d.v_len(), d.scalars());
@@ -269,11 +292,17 @@ impl CustomOp1 for IntraBack {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, grad: &candle_core::CudaStorage, gl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        gw: &candle_core::CudaStorage,
+        wl: &Layout,
+        gkc: &candle_core::CudaStorage,
+        kl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (k, v, scal) = (self.k.storage_and_layout(), self.v.storage_and_layout(), self.scal.storage_and_layout());
         super::cuda::chunk_intra_back(
             &self.d,
-            (grad, gl),
+            ((gw, wl), (gkc, kl), self.kc_sign),
             super::cuda::on_gpu(&k.0, k.1, "chunk solve")?,
             super::cuda::on_gpu(&v.0, v.1, "chunk solve")?,
             super::cuda::on_gpu(&scal.0, scal.1, "chunk solve")?,

@@ -19,13 +19,16 @@ use super::chunk_layout::{from_chunks, from_chunks_op, scalars_from_chunks, scal
 use super::chunk_layout::{to_chunks_pair, FromChunks};
 use super::chunk_out::{self, Out};
 use super::chunk_walk::{self, final_state, Walk, WalkIn};
+use super::cpu_slice;
 use super::recurrence::{Recurrence, Rule};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor};
 use std::sync::Arc;
 
-/// Outputs o [B,T,H,dv] and final state [B,H,dk,dv], both float32, in chunks of `c` (a power of
-/// two); `tensor`: whether the chunk kernels may multiply on tensor cores.
+/// Outputs o [B,T,H,dv] in the values' dtype and final state [B,H,dk,dv] float32, in chunks of
+/// `c` (a power of two); `tensor`: whether the chunk kernels may multiply on tensor cores. o is
+/// laid out in the values' dtype by the op itself: a float32 o cast afterwards costs a full-size
+/// cast each way and a float32 gradient edge.
 pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tensor, Tensor)> {
     let (b, t, h, dk) = rec.q.dims4()?;
     let dv = rec.v.dim(3)?;
@@ -39,7 +42,7 @@ pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tenso
     let saved = Saved::run(&qk.detach(), &rec.k.detach(), &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
     let state_shape = (b, h, dk, dv);
     if super::untracked(&[&qk, rec.v, &scal]) {
-        let o = from_chunks(&saved.o, b, t, h, DType::F32)?;
+        let o = from_chunks(&saved.o, b, t, h, rec.v.dtype())?;
         return Ok((o, saved.state.reshape(state_shape)?));
     }
     let saved = Arc::new(saved);
@@ -142,7 +145,7 @@ impl Saved {
         let walked = wkc.apply_op3_no_bwd(&k, &walk_extra, &walk)?;
         let (out, out_gamma) = chunk_out::op(qk, gamma.as_ref(), rec.scale as f32, dv, tensor)?;
         let o = qk.apply_op3_no_bwd(&walked, &out_gamma, &out)?.reshape((n, bh, c, dv))?;
-        let unchunk = from_chunks_op(&o, b, t, h, DType::F32)?;
+        let unchunk = from_chunks_op(&o, b, t, h, v.dtype())?;
         let state = final_state(&walked, &walk.0)?.force_contiguous()?;
         Ok(Saved {
             s,
@@ -179,7 +182,7 @@ impl Saved {
         // The outputs: dqk, d(U | states) and dγ.
         let (dqk, dwalked, dgamma) = match go {
             Some(go) => {
-                let go = to_chunks(&go.to_dtype(DType::F32)?, c)?;
+                let go = to_chunks(go, c)?;
                 let (a, b, g) = self.out.bwd(&self.qk, &self.walked, &self.out_gamma, &self.o, &go)?;
                 (some(a, "qk")?, some(b, "the walk")?, Some(some(g, "γ")?))
             }
@@ -192,19 +195,15 @@ impl Saved {
             let last = dwalked.narrow(0, dwalked.dim(0)? - len, len)?;
             last.slice_set(&gs.to_dtype(DType::F32)?.flatten_all()?.contiguous()?, 0, 0)?;
         }
-        let (dwkc, dk_walk, dextra) = self.walk.bwd(&self.wkc, &self.k, &self.walk_extra, &self.walked, &dwalked)?;
-        let (dwkc, dk_walk, dextra) = (some(dwkc, "W")?, some(dk_walk, "k")?, some(dextra, "S₀")?);
-        // The solve (or the plain rule's W = β V).
-        let (d_k, d_v, dbeta, dgamma_solve) = match &self.solve {
-            Some((op, sc)) => {
-                let (dk, dv, ds) = op.bwd(&self.k, &self.v, sc, &self.wkc, &dwkc)?;
-                let ds = some(ds, "β")?;
-                ((some(dk, "k")? + dk_walk)?, some(dv, "v")?, ds.get(0)?, Some(ds.get(1)?))
+        let (dw, du_s, dkend, dextra) =
+            self.walk.grads(&self.wkc, &self.k, &self.walk_extra, &self.walked, &dwalked)?;
+        // The solve (dKc = −dU Sᵀ), or the plain rule's W = β V.
+        let (dk_solve, d_v, dbeta, dgamma_solve) = match (&self.solve, du_s) {
+            (Some((op, sc)), Some(du_s)) => {
+                let (dk, dv, ds) = op.grads(&self.k, &self.v, sc, &dw, &du_s, -1.0)?;
+                (Some(dk), dv, ds.get(0)?, Some(ds.get(1)?))
             }
-            None => {
-                let dw = dwkc.reshape(self.v.shape())?;
-                (dk_walk, dw.broadcast_mul(&self.beta.unsqueeze(3)?)?, (dw * &self.v)?.sum(3)?, None)
-            }
+            _ => (None, dw.broadcast_mul(&self.beta.unsqueeze(3)?)?, (&dw * &self.v)?.sum(3)?, None),
         };
         mark("backward: walk and solve");
         let state_len = bh * dk * s.dv;
@@ -233,11 +232,68 @@ impl Saved {
         if s.initial {
             dscal.push(dextra.narrow(0, 0, state_len)?);
         }
-        // The keys' gradient from the solve and the walk joins the outputs'.
-        let dqk = Tensor::cat(&[dqk.narrow(3, 0, dk)?, (dqk.narrow(3, dk, dk)? + d_k)?], 3)?;
+        // The keys' gradient from the solve and the walk joins the outputs' in their buffer.
+        let dqk = dqk.contiguous()?;
+        dqk.inplace_op3(&dkend, &self.e, &JoinKeys { solve: dk_solve })?;
         let d_v = from_chunks(&d_v, s.b, s.t, s.h, self.v_dtype)?;
         mark("backward: recurrence layout");
         Ok((dqk, d_v, Tensor::cat(&dscal, 0)?))
+    }
+}
+
+/// The keys' gradient joined into the key columns of dqk [N,BH,C,2dk] in place: dK = dqk's
+/// keys + the solve's dK + diag(e) dKend (the walk's). As candle ops that was a scale, two adds
+/// and a concatenation, each over the whole of dqk or its keys.
+struct JoinKeys {
+    solve: Option<Tensor>,
+}
+
+impl InplaceOp3 for JoinKeys {
+    fn name(&self) -> &'static str {
+        "statecut-chunk-join-keys"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dqk: &mut CpuStorage,
+        dl: &Layout,
+        dkend: &CpuStorage,
+        kl: &Layout,
+        e: &CpuStorage,
+        el: &Layout,
+    ) -> Result<()> {
+        let what = "chunk keys' gradient";
+        let (dkend, e) = (cpu_slice(dkend, kl, what)?, cpu_slice(e, el, what)?);
+        let solve = self.solve.as_ref().map(super::cpu_f32).transpose()?;
+        let (a, b) = super::contiguous(dl, what)?;
+        let CpuStorage::F32(dqk) = dqk else { candle_core::bail!("{what}: dqk is not float32") };
+        let dk = dkend.len() / e.len();
+        for (r, row) in dqk[a..b].chunks_exact_mut(2 * dk).enumerate() {
+            for (j, x) in row[dk..].iter_mut().enumerate() {
+                let i = r * dk + j;
+                *x += e[r] * dkend[i] + solve.as_ref().map_or(0.0, |s| s[i]);
+            }
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dqk: &mut candle_core::CudaStorage,
+        dl: &Layout,
+        dkend: &candle_core::CudaStorage,
+        kl: &Layout,
+        e: &candle_core::CudaStorage,
+        el: &Layout,
+    ) -> Result<()> {
+        let solve = self.solve.as_ref().map(|t| t.contiguous()).transpose()?;
+        let guard = solve.as_ref().map(|t| t.storage_and_layout());
+        let solve = match &guard {
+            Some((s, l)) => Some(super::cuda::on_gpu(s, l, "chunk keys' gradient")?),
+            None => None,
+        };
+        super::cuda::chunk_join_keys(dqk, dl, solve, (dkend, kl), (e, el))
     }
 }
 

@@ -223,6 +223,31 @@ impl CustomOp3 for Walk {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (du, du_s, dkend, dextra) = self.grads(wkc, k, extra, res, grad)?;
+        let dwkc = match du_s {
+            Some(du_s) => Tensor::cat(&[du.flatten_all()?, du_s.neg()?.flatten_all()?], 0)?,
+            None => du.flatten_all()?,
+        };
+        let d = self.0;
+        let e = extra.narrow(0, d.state_len() + d.decays_len(), d.n * d.bh * d.c)?;
+        let dk = dkend.broadcast_mul(&e.reshape((d.n, d.bh, d.c, 1))?)?;
+        Ok((Some(dwkc), Some(dk), Some(dextra)))
+    }
+}
+
+impl Walk {
+    /// The backward's gradients: of W (= dU), the product dU Sᵀ = −dKc (delta rule; the
+    /// solve's backward takes the sign), of Kend = diag(e) K before the key scales (dK =
+    /// diag(e) dKend: a caller that sums dK with other terms scales it there), and of S₀ | a | e
+    /// (flat, as `extra`).
+    pub(crate) fn grads(
+        &self,
+        wkc: &Tensor,
+        k: &Tensor,
+        extra: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Option<Tensor>, Tensor, Tensor)> {
         let d = self.0;
         let back = WalkBack { d, wkc: wkc.clone(), k: k.clone(), extra: extra.clone(), res: res.clone() };
         crate::profile::mark("backward: before the walk", grad.device());
@@ -234,11 +259,9 @@ impl CustomOp3 for Walk {
         let ds0 = out.narrow(0, d.u_len() + n * d.state_len(), d.state_len())?;
         let u = res.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
         let s = res.narrow(0, d.u_len(), n * d.state_len())?.reshape((n, bh, dk, dv))?;
-        let e = extra.narrow(0, d.state_len() + d.decays_len(), n * bh * c)?.reshape((n, bh, c, 1))?;
         // The column sums, batched over every chunk.
         let dkend = u.matmul(&g.t()?)?; // [N,BH,C,dk]
-        let dk_in = dkend.broadcast_mul(&e)?;
-        // The tensor-core kernel appends its column tiles' partial sums of da and de.
+                                        // The tensor-core kernel appends its column tiles' partial sums of da and de.
         let base = d.u_len() + (n + 1) * d.state_len();
         let (da, de) = match (out.dim(0)? - base) / (n * bh * (dk + c)) {
             0 => ((&s * &g)?.sum(3)?, (&dkend * k)?.sum(3)?),
@@ -248,13 +271,10 @@ impl CustomOp3 for Walk {
                 (part(0, dk)?.sum(0)?, part(tiles * n * bh * dk, c)?.sum(0)?)
             }
         };
-        let dwkc = match d.delta {
-            true => Tensor::cat(&[du.flatten_all()?, du.matmul(&s.t()?)?.neg()?.flatten_all()?], 0)?,
-            false => du.flatten_all()?,
-        };
+        let du_s = d.delta.then(|| du.matmul(&s.t()?)).transpose()?;
         let dextra = Tensor::cat(&[ds0, da.flatten_all()?, de.flatten_all()?], 0)?;
         crate::profile::mark("backward: walk sums", grad.device());
-        Ok((Some(dwkc), Some(dk_in), Some(dextra)))
+        Ok((du, du_s, dkend, dextra))
     }
 }
 

@@ -780,6 +780,33 @@ pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorag
     Ok(per_dtype!(dtype, "from_chunks", "from chunks", launch))
 }
 
+/// `chunk_join_keys`: the key columns of dqk [rows, 2 dk] gain dki (when given) and diag(e)
+/// dkend, in place (see `ops::chunk_recurrence`).
+pub fn chunk_join_keys(dqk: &mut CudaStorage, dl: &Layout, dki: Option<Input>, dkend: Input, e: Input) -> Result<()> {
+    let what = "chunk keys' gradient";
+    let (a, b) = contiguous(dl, what)?;
+    let (dkend, e) = (view::<f32>(dkend, what)?, view::<f32>(e, what)?);
+    let rows = layout_rows(e.len())?;
+    let dk = (b - a) / (2 * e.len());
+    if dkend.len() != e.len() * dk || dk * 2 * e.len() != b - a {
+        candle_core::bail!("{what}: {} rows of dqk, {} of dkend, {} scales", b - a, dkend.len(), e.len());
+    }
+    let dki = dki.map(|x| view::<f32>(x, what)).transpose()?;
+    let has_intra = i32::from(dki.is_some());
+    // Absent, dki is never read: dkend stands in for its pointer.
+    let dki = dki.as_ref().unwrap_or(&dkend);
+    let dev = dqk.device().clone();
+    let mut out = dqk.as_cuda_slice_mut::<f32>()?.slice_mut(a..b);
+    let func = function(&dev, "chunk_join_keys")?;
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
+    let dk = dk as i32;
+    builder.arg(&mut out).arg(dki).arg(&dkend).arg(&e).arg(&rows).arg(&dk).arg(&has_intra);
+    // SAFETY: argument list matches `chunk_join_keys` in kernels.cu; every length checked above.
+    unsafe { builder.launch(layout_config(rows)) }.w()?;
+    Ok(())
+}
+
 /// The launch grid of the chunk walk: column tiles x heads, 256 threads.
 fn walk_config(d: &WalkDims, smem: usize) -> LaunchConfig {
     LaunchConfig {
@@ -957,13 +984,23 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(lw + lk)))
 }
 
-/// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat (see `ops::chunk_intra`).
-pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
+/// `chunk_intra_bwd_f32`: dk, dv, dβ, dγ, flat, from dW, dKc and the sign dKc comes with (see
+/// `ops::chunk_intra`).
+pub fn chunk_intra_back(
+    d: &IntraDims,
+    (gw, gkc, kc_sign): (Input, Input, f32),
+    k: Input,
+    v: Input,
+    scal: Input,
+) -> Result<(CudaStorage, Shape)> {
     let tc = chunk_tensor(d.tensor);
     let smem = intra_smem(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve backward")?;
-    let dev = grad.0.device().clone();
-    let grad = view::<f32>(grad, "chunk solve backward")?;
+    let dev = gw.0.device().clone();
+    let (gw, gkc) = (view::<f32>(gw, "chunk solve backward")?, view::<f32>(gkc, "chunk solve backward")?);
+    if gw.len() != d.v_len() || gkc.len() != d.k_len() {
+        candle_core::bail!("chunk solve backward: gradients of {} and {} elements", gw.len(), gkc.len());
+    }
     let (k, v, scal) =
         (view::<f32>(k, "chunk solve")?, view::<f32>(v, "chunk solve")?, view::<f32>(scal, "chunk solve")?);
     let n = d.n * d.bh * d.c * (d.dk + d.dv + 2);
@@ -975,10 +1012,11 @@ pub fn chunk_intra_back(d: &IntraDims, grad: Input, k: Input, v: Input, scal: In
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&k).arg(&v).arg(&scal).arg(&grad).arg(&out).arg(&blocks);
+    builder.arg(&k).arg(&v).arg(&scal).arg(&gw).arg(&gkc).arg(&out).arg(&blocks);
     for v in &ints {
         builder.arg(v);
     }
+    builder.arg(&kc_sign);
     // SAFETY: argument list matches `chunk_intra_bwd_f32` in kernels.cu; out sized above.
     unsafe { builder.launch(cfg) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))

@@ -992,6 +992,20 @@ CHUNK_LAYOUT(f32, float)
 CHUNK_LAYOUT(bf16, __nv_bfloat16)
 CHUNK_LAYOUT(f16, __half)
 
+// The keys' gradient of the chunked recurrence joined in place (src/ops/chunk_recurrence.rs):
+// dqk [rows, 2 dk] holds the outputs' gradients of the queries then the keys; the keys' columns
+// gain the solve's dki [rows, dk] (when has_intra) and the walk's diag(e) dkend. Blocks and
+// rows as the layout kernels'.
+extern "C" __global__ void chunk_join_keys(float *dqk, const float *dki, const float *dkend, const float *e, int rows,
+                                           int dk, int has_intra) {
+  const int row = blockIdx.x * LAYOUT_ROWS + threadIdx.y;
+  if (row >= rows) return;
+  const long long base = (long long)row * dk;
+  const float s = e[row];
+  float *out = dqk + 2 * base + dk;
+  for (int r = threadIdx.x; r < dk; r += 32) out[r] += s * dkend[base + r] + (has_intra ? dki[base + r] : 0.0f);
+}
+
 // The walk over chunks of the chunked delta rule (src/ops/chunk_walk.rs has the math and the CPU
 // half). Grid (column tiles of WALK_TV state columns, B·H); 256 threads = WALK_TV columns x
 // WALK_RG row groups. A block keeps its columns of the state S [dk, WALK_TV] (the backward: of
@@ -1362,17 +1376,18 @@ __device__ __forceinline__ float intra_warp_sum(float x) {
   return x;
 }
 
-// The backward, recomputing G and T: out = [dk (blocks x c x dk) | dv | dβ | dγ].
+// The backward, recomputing G and T: out = [dk (blocks x c x dk) | dv | dβ | dγ] from dW and
+// kc_sign · dKc (the walk's backward hands over −dKc's product as it comes).
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_intra_bwd_f32(const float *k, const float *v, const float *scal, const float *grad, float *out,
-                        long long blocks, int c, int dk, int dv) {
+    chunk_intra_bwd_f32(const float *k, const float *v, const float *scal, const float *grad_w,
+                        const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
   extern __shared__ float ism[];
   const int SQ = INTRA_C * INTRA_P, TL = INTRA_C * INTRA_TP;
   float *G = ism, *T = G + SQ, *D = T + SQ, *M = D + SQ, *ta = M + SQ, *tb = ta + TL;
   float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
-  const float *gw = grad + blk * c * dv, *gkc = grad + blocks * c * dv + blk * c * dk;
+  const float *gw = grad_w + blk * c * dv, *gkc = grad_kc + blk * c * dk;
   float *dk_out = out + blk * c * dk, *dv_out = out + blocks * c * dk + blk * c * dv;
   float *db_out = out + blocks * c * (dk + dv) + blk * c, *dg_out = db_out + blocks * c;
   const int tid = threadIdx.x, bi = tid / 16, bj = tid % 16, cc = tid % 32, row0 = tid / 32;
@@ -1415,7 +1430,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int t = 4 * bi + q, j = 4 * bj + s;
-      D[t * INTRA_P + j] = j < t && t < c ? bet[j] * ax[q][s] + ys[j] * ay[q][s] : 0.0f;
+      D[t * INTRA_P + j] = j < t && t < c ? bet[j] * ax[q][s] + kc_sign * ys[j] * ay[q][s] : 0.0f;
     }
   __syncthreads();
 
@@ -1476,6 +1491,7 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int j = row0; j < c; j += 8) {
       float dy = 0.0f, dgk = 0.0f;
       for (int t = j; t < c; ++t) dy += T[t * INTRA_P + j] * ta[t * INTRA_TP + cc];
+      dy *= kc_sign;
       for (int s = 0; s < c; ++s) dgk += (M[j * INTRA_P + s] + M[s * INTRA_P + j]) * tb[s * INTRA_TP + cc];
       if (col0 + cc < dk) dk_out[(long long)j * dk + col0 + cc] = ys[j] * dy + dgk;
       const float s = intra_warp_sum(dy * tb[j * INTRA_TP + cc]);
@@ -2007,15 +2023,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // chunk_intra_bwd_f32 on tensor cores; shared memory G, T, D, M [64, TC_P], three tiles [64,
 // TC_TP] and five per-token scalars.
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad, float *out,
-                       long long blocks, int c, int dk, int dv) {
+    chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad_w,
+                       const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
   extern __shared__ float ism[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
   float *G = ism, *T = G + SQ, *D = T + SQ, *M = D + SQ, *ta = M + SQ, *tb = ta + TL, *X = tb + TL;
   float *bet = X + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
-  const float *gw = grad + blk * c * dv, *gkc = grad + blocks * c * dv + blk * c * dk;
+  const float *gw = grad_w + blk * c * dv, *gkc = grad_kc + blk * c * dk;
   float *dk_out = out + blk * c * dk, *dv_out = out + blocks * c * dk + blk * c * dv;
   float *db_out = out + blocks * c * (dk + dv) + blk * c, *dg_out = db_out + blocks * c;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
@@ -2058,7 +2074,7 @@ extern "C" __global__ void __launch_bounds__(256)
   // ax and ay hold the same elements in the same threads.
   tc_each<4>(ax, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
   tc_each<4>(ay, INTRA_C, INTRA_C, [&](int t, int j, float y) {
-    D[t * TC_P + j] = j < t && t < c ? bet[j] * D[t * TC_P + j] + ys[j] * y : 0.0f;
+    D[t * TC_P + j] = j < t && t < c ? bet[j] * D[t * TC_P + j] + kc_sign * ys[j] * y : 0.0f;
   });
   __syncthreads();
 
@@ -2121,7 +2137,7 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(tb), false);
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(tb), false);
     // y and z hold the same elements in the same threads.
-    tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = x; });
+    tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
     tc_each<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x) {
       if (j < c && col0 + r < dk) dk_out[(long long)j * dk + col0 + r] = ys[j] * X[j * TC_TP + r] + x;
     });
