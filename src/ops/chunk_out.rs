@@ -164,22 +164,34 @@ impl CustomOp3 for Out {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let d = self.0;
-        let back = OutBack { d, qk: qk.clone(), walked: walked.clone(), gamma: gamma.clone() };
-        let out = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?;
-        let dqk = out.narrow(0, 0, d.qk_len())?.reshape(qk.shape())?;
-        let dwalked = out.narrow(0, d.qk_len(), d.walked_len())?.reshape(walked.shape())?;
-        let dgamma = out.narrow(0, d.qk_len() + d.walked_len(), d.scalars())?.reshape(gamma.shape())?;
+        let back =
+            OutBack { d, qk: qk.clone(), walked: walked.clone(), gamma: gamma.clone(), rest: Default::default() };
+        let dqk = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?.reshape(qk.shape())?;
+        let rest = back.rest.lock().map_err(|_| candle_core::Error::Msg("chunk outputs: poisoned".into()))?.take();
+        let rest = rest.ok_or_else(|| candle_core::Error::Msg("chunk outputs: no backward ran".into()))?;
+        let dwalked = rest.narrow(0, 0, d.walked_len())?.reshape(walked.shape())?;
+        let dgamma = rest.narrow(0, d.walked_len(), d.scalars())?.reshape(gamma.shape())?;
         Ok((Some(dqk), Some(dwalked), Some(dgamma)))
     }
 }
 
-/// The outputs' backward: from dO, the gradients of qk, of the walk's flat output (U, then the
-/// states, the last of which O does not read) and of γ, flat in that order.
+/// The outputs' backward: from dO, the gradient of qk as the op's output, and those of the walk's
+/// flat output (U, then the states, the last of which O does not read) and of γ, flat in that
+/// order, in `rest`. Two buffers, so that the walk's gradients can be freed once read while dqk
+/// is still being summed into.
 struct OutBack {
     d: OutDims,
     qk: Tensor,
     walked: Tensor,
     gamma: Tensor,
+    rest: std::sync::Mutex<Option<Tensor>>,
+}
+
+impl OutBack {
+    fn keep_rest(&self, rest: Tensor) -> Result<()> {
+        *self.rest.lock().map_err(|_| candle_core::Error::Msg("chunk outputs: poisoned".into()))? = Some(rest);
+        Ok(())
+    }
 }
 
 impl CustomOp1 for OutBack {
@@ -197,29 +209,33 @@ impl CustomOp1 for OutBack {
             .into_par_iter()
             .map(|b| chunk_backward(&Chunk::of(d, b, &qk, &walked, &gamma), &grad[b * c * dv..][..c * dv]))
             .collect();
-        let (lq, lw) = (d.qk_len(), d.walked_len());
-        let mut out = vec![0f32; lq + lw + d.scalars()];
+        let lw = d.walked_len();
+        let (mut dqk, mut rest) = (vec![0f32; d.qk_len()], vec![0f32; lw + d.scalars()]);
         for (b, (gqk, gu, gs, gg)) in blocks.iter().enumerate() {
-            out[b * c * 2 * dk..][..c * 2 * dk].copy_from_slice(gqk);
-            out[lq + b * c * dv..][..c * dv].copy_from_slice(gu);
-            out[lq + d.u_len() + b * dk * dv..][..dk * dv].copy_from_slice(gs);
-            out[lq + lw + b * c..][..c].copy_from_slice(gg);
+            dqk[b * c * 2 * dk..][..c * 2 * dk].copy_from_slice(gqk);
+            rest[b * c * dv..][..c * dv].copy_from_slice(gu);
+            rest[d.u_len() + b * dk * dv..][..dk * dv].copy_from_slice(gs);
+            rest[lw + b * c..][..c].copy_from_slice(gg);
         }
-        let n = out.len();
-        Ok((CpuStorage::F32(out), Shape::from(n)))
+        self.keep_rest(Tensor::from_vec(rest, lw + d.scalars(), &candle_core::Device::Cpu)?)?;
+        let n = dqk.len();
+        Ok((CpuStorage::F32(dqk), Shape::from(n)))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, grad: &candle_core::CudaStorage, gl: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (qk, walked, gamma) =
             (self.qk.storage_and_layout(), self.walked.storage_and_layout(), self.gamma.storage_and_layout());
-        super::cuda::chunk_out_back(
+        let (dqk, (rest, shape)) = super::cuda::chunk_out_back(
             &self.d,
             (grad, gl),
             super::cuda::on_gpu(&qk.0, qk.1, "chunk outputs")?,
             super::cuda::on_gpu(&walked.0, walked.1, "chunk outputs")?,
             super::cuda::on_gpu(&gamma.0, gamma.1, "chunk outputs")?,
-        )
+        )?;
+        let none = candle_core::op::BackpropOp::none();
+        self.keep_rest(Tensor::from_storage(candle_core::Storage::Cuda(rest), shape, none, false))?;
+        Ok(dqk)
     }
 }
 

@@ -197,6 +197,8 @@ impl Saved {
         }
         let (dw, du_s, dkend, dextra) =
             self.walk.grads(&self.wkc, &self.k, &self.walk_extra, &self.walked, &dwalked)?;
+        // Each step's gradient buffers go as soon as the next step has read them.
+        drop(dwalked);
         // The solve (dKc = −dU Sᵀ), or the plain rule's W = β V.
         let (dk_solve, d_v, dbeta, dgamma_solve) = match (&self.solve, du_s) {
             (Some((op, sc)), Some(du_s)) => {
@@ -205,6 +207,7 @@ impl Saved {
             }
             _ => (None, dw.broadcast_mul(&self.beta.unsqueeze(3)?)?, (&dw * &self.v)?.sum(3)?, None),
         };
+        drop(dw);
         mark("backward: walk and solve");
         let state_len = bh * dk * s.dv;
         let mut dscal = vec![scalars_from_chunks(&dbeta, s.b, s.t, s.h)?.flatten_all()?];

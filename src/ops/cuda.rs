@@ -1064,7 +1064,7 @@ pub fn chunk_out_back(
     qk: Input,
     walked: Input,
     gamma: Input,
-) -> Result<(CudaStorage, Shape)> {
+) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
     let tc = chunk_tensor(d.tensor);
     let smem = out_smem(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs backward")?;
@@ -1072,7 +1072,9 @@ pub fn chunk_out_back(
     let what = "chunk outputs";
     let grad = view::<f32>(grad, "chunk outputs backward")?;
     let (qk, walked, gamma) = (view::<f32>(qk, what)?, view::<f32>(walked, what)?, view::<f32>(gamma, what)?);
-    let n = d.qk_len() + d.walked_len() + d.scalars();
+    let n = d.walked_len() + d.scalars();
+    // SAFETY: the kernel writes every element of dqk.
+    let dqk = unsafe { dev.alloc::<f32>(d.qk_len())? };
     // Zeroed: O does not read the last state, whose gradient the kernel leaves as it is.
     let out = dev.alloc_zeros::<f32>(n)?;
     let func = function(&dev, &chunk_kernel("chunk_out_bwd", tc))?;
@@ -1081,12 +1083,13 @@ pub fn chunk_out_back(
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
-    builder.arg(&qk).arg(&walked).arg(&gamma).arg(&grad).arg(&out).arg(&blocks).arg(&walked_len);
+    builder.arg(&qk).arg(&walked).arg(&gamma).arg(&grad).arg(&dqk).arg(&out).arg(&blocks).arg(&walked_len);
     for v in &ints {
         builder.arg(v);
     }
     builder.arg(&d.scale);
-    // SAFETY: argument list matches `chunk_out_bwd_f32` in kernels.cu; out sized above.
+    // SAFETY: argument list matches `chunk_out_bwd_f32` in kernels.cu; dqk and out sized above.
     unsafe { builder.launch(cfg) }.w()?;
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+    let dqk = CudaStorage::wrap_cuda_slice(dqk, dev.clone());
+    Ok(((dqk, Shape::from(d.qk_len())), (CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n))))
 }

@@ -1578,19 +1578,20 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// The backward: out = [dqk | dU | dS (the last chunk-start state's stays as allocated, zero) | dγ].
+// The backward: dqk_out, and out = [dU | dS (the last chunk-start state's stays as allocated,
+// zero) | dγ]. dqk has a buffer of its own, so that dU | dS can be freed once the walk's backward
+// has read them while dqk lives on.
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_out_bwd_f32(const float *qk, const float *walked, const float *gamma, const float *grad, float *out,
-                      long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
+    chunk_out_bwd_f32(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
+                      float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
   float *P = osm, *ED = P + INTRA_C * INTRA_P, *ta = ED + INTRA_C * INTRA_P, *tb = ta + INTRA_C * INTRA_TP;
   float *gam = tb + INTRA_C * INTRA_TP, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
   const long long blk = blockIdx.x;
   const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
   const float *go = grad + blk * c * dv;
-  float *dqk = out + blk * c * 2 * dk, *du = out + blocks * c * 2 * dk + blk * c * dv;
-  float *ds = out + blocks * c * 2 * dk + blocks * c * dv + blk * dk * dv;
-  float *dgo = out + blocks * c * 2 * dk + walked_len + blk * c;
+  float *dqk = dqk_out + blk * c * 2 * dk, *du = out + blk * c * dv;
+  float *ds = out + blocks * c * dv + blk * dk * dv, *dgo = out + walked_len + blk * c;
   const int tid = threadIdx.x, bi = tid / 16, bj = tid % 16, cc = tid % 32, row0 = tid / 32;
   for (int i = tid; i < INTRA_C; i += blockDim.x) {
     gam[i] = i < c ? gamma[blk * c + i] : 0.0f;
@@ -1862,8 +1863,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], three tiles [64,
 // TC_TP], γ, scale·e^γ and dγ.
 extern "C" __global__ void __launch_bounds__(256)
-    chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *out,
-                     long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
+    chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
+                     float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
   float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL, *X = tb + TL;
@@ -1871,9 +1872,8 @@ extern "C" __global__ void __launch_bounds__(256)
   const long long blk = blockIdx.x;
   const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
   const float *go = grad + blk * c * dv;
-  float *dqk = out + blk * c * 2 * dk, *du = out + blocks * c * 2 * dk + blk * c * dv;
-  float *ds = out + blocks * c * 2 * dk + blocks * c * dv + blk * dk * dv;
-  float *dgo = out + blocks * c * 2 * dk + walked_len + blk * c;
+  float *dqk = dqk_out + blk * c * 2 * dk, *du = out + blk * c * dv;
+  float *ds = out + blocks * c * dv + blk * dk * dv, *dgo = out + walked_len + blk * c;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   for (int i = tid; i < INTRA_C; i += blockDim.x) {
     gam[i] = i < c ? gamma[blk * c + i] : 0.0f;
