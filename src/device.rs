@@ -97,6 +97,27 @@ mod pool {
         };
     }
 
+    /// Bytes handed out now, and the most handed out since the last [`reset_high`].
+    pub fn used(dev: &CudaDevice) -> Option<(u64, u64)> {
+        let pool = default_pool(dev)?;
+        let now = attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        Some((now, attribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?))
+    }
+
+    /// Start the high-water mark of [`used`] again from what is in use now.
+    pub fn reset_high(dev: &CudaDevice) {
+        let Some(pool) = default_pool(dev) else { return };
+        let mut zero = 0u64;
+        // SAFETY: the high-water mark is a 64-bit value, and zero is the one it may be set to.
+        let _ = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+    }
+
     /// Bytes the pool holds mapped but has not handed out: free for statecut's next allocation.
     pub fn cached(dev: &CudaDevice) -> u64 {
         let Some(pool) = default_pool(dev) else { return 0 };
@@ -147,6 +168,29 @@ pub fn free_memory(device: &Device) -> Option<usize> {
         return Some((free + pool::cached(d) as usize).min(_total));
     }
     Some(free)
+}
+
+/// Bytes of statecut's allocations in use on a CUDA device after the queued work, and the most
+/// in use since the last [`reset_peak_in_use`]. `None` on the CPU or when they cannot be read.
+pub fn in_use(device: &Device) -> Option<(usize, usize)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        device.synchronize().ok()?;
+        return pool::used(d).map(|(now, high)| (now as usize, high as usize));
+    }
+    let _ = device;
+    None
+}
+
+/// Start the peak that [`in_use`] reports again, from what is in use after the queued work.
+pub fn reset_peak_in_use(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        if device.synchronize().is_ok() {
+            pool::reset_high(d);
+        }
+    }
+    let _ = device;
 }
 
 /// (free, total) memory of a CUDA device in bytes as the driver reports them (memory statecut's

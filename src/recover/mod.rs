@@ -322,6 +322,7 @@ impl<'a> Job<'a> {
         let first = progress.step;
         let mut bad_run = 0;
         let pass = stages::Pass::new(&student, &teacher, &kd, args.recipe.recompute);
+        let mut told_fallback = false;
         let last = args.stop_after.map_or(self.steps, |s| s.min(self.steps));
         while progress.step < last {
             let step = progress.step;
@@ -369,13 +370,23 @@ impl<'a> Job<'a> {
                 skipped,
                 seconds: step_start.elapsed().as_secs_f64(),
             });
-            if progress.step == first && !quiet && args.recipe.recompute == crate::cli::Recompute::Auto {
+            if pass.fell_back() && !told_fallback && !quiet {
+                told_fallback = true;
+                pb.suspend(|| {
+                    eprintln!(
+                        "step {}: out of device memory with blocks' activations kept; recomputing every block from here on (as --recompute all)",
+                        progress.step + 1
+                    )
+                });
+            }
+            // The first step measures the blocks; the next ones keep what memory allows.
+            if progress.step == first + 1 && !quiet && args.recipe.recompute == crate::cli::Recompute::Auto {
                 let (kept, held) = pass.kept();
                 let blocks = student.blocks.len();
                 if kept > 0 {
                     pb.suspend(|| {
                         eprintln!(
-                            "{kept} of {blocks} blocks keep their activations for the backward ({:.1} GiB each), {} are recomputed",
+                            "{kept} of {blocks} blocks keep their activations for the backward (up to {:.1} GiB each), {} are recomputed",
                             held as f64 / (1u64 << 30) as f64,
                             blocks - kept
                         )

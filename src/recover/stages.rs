@@ -71,11 +71,23 @@ pub struct Pass<'a> {
     recompute: Recompute,
     /// Blocks that kept their graph in the last pass, and the most one held (bytes).
     kept: std::cell::Cell<(usize, usize)>,
+    /// What each block needs, measured the first time it is recomputed under
+    /// [`Recompute::Auto`] on a GPU.
+    sizes: std::cell::RefCell<Vec<Option<Need>>>,
+    /// Whether a pass ran out of memory with blocks kept (then every block is recomputed).
+    fell_back: std::cell::Cell<bool>,
 }
 
 impl<'a> Pass<'a> {
     pub fn new(student: &'a Resident, teacher: &'a Resident, kd: &'a KdConfig, recompute: Recompute) -> Self {
-        Self { student, teacher, kd, recompute, kept: Default::default() }
+        let sizes = std::cell::RefCell::new(vec![None; student.blocks.len()]);
+        Self { student, teacher, kd, recompute, kept: Default::default(), sizes, fell_back: Default::default() }
+    }
+
+    /// Whether a pass ran out of device memory with blocks kept, so that every block is
+    /// recomputed from then on.
+    pub fn fell_back(&self) -> bool {
+        self.fell_back.get()
     }
 
     /// How many blocks kept their graph in the last pass, and the most memory one held (bytes;
@@ -86,8 +98,46 @@ impl<'a> Pass<'a> {
 
     /// The student's loss against the teacher on `ids` [B, T] predicting `targets` [B, T],
     /// scaled by `scale`, with the gradients of `vars` added to `acc`.
+    /// Under `--recompute auto`, a pass that runs out of device memory is run again recomputing
+    /// every block, as is every pass after it: the rule's margins are estimates, and a step that
+    /// fits with every block recomputed should not fail for having kept some.
     pub fn run(
         &self,
+        ids: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        vars: &[(String, Var)],
+        acc: &mut HashMap<String, Tensor>,
+    ) -> Result<Parts> {
+        let policy = if self.fell_back.get() { Recompute::All } else { self.recompute };
+        if policy != Recompute::Auto {
+            return self.run_with(policy, ids, targets, scale, vars, acc);
+        }
+        // Gradients go to a map of their own, so that a failed pass adds nothing.
+        let mut mine = HashMap::new();
+        match self.run_with(policy, ids, targets, scale, vars, &mut mine) {
+            Err(e) if out_of_memory(&e) => {
+                drop(mine);
+                self.fell_back.set(true);
+                self.run_with(Recompute::All, ids, targets, scale, vars, acc)
+            }
+            Err(e) => Err(e),
+            Ok(parts) => {
+                for (name, g) in mine {
+                    let sum = match acc.remove(&name) {
+                        Some(a) => (a + g)?,
+                        None => g,
+                    };
+                    acc.insert(name, sum);
+                }
+                Ok(parts)
+            }
+        }
+    }
+
+    fn run_with(
+        &self,
+        policy: Recompute,
         ids: &Tensor,
         targets: &Tensor,
         scale: f64,
@@ -98,15 +148,14 @@ impl<'a> Pass<'a> {
         let t_hidden = if cfg.kd_weight > 0.0 { Some(final_hidden(teacher, ids)?) } else { None };
         // Forward, keeping each block's input, and a block's whole graph where `keep` allows.
         let mut h = layered::embed(&*student.layers, &student.embed, ids, &mut NoObserver)?.detach();
-        let mut keep = Keep::new(self.recompute, student.layers.device());
+        let mut keep = Keep::new(policy, student.layers.device(), self.sizes.borrow().clone());
         let mut saved = Vec::with_capacity(student.blocks.len());
         for (i, blk) in student.blocks.iter().enumerate() {
             let at = |e: anyhow::Error| e.context(format!("layer {i}"));
-            let out = match keep.next() {
+            let out = match keep.next(i) {
                 true => {
                     let x = Var::from_tensor(&h)?;
                     let y = blk.forward(x.as_tensor(), &mut NoObserver, None).map_err(at)?;
-                    keep.kept_one();
                     let out = y.detach();
                     saved.push(Saved::Graph(x, y));
                     out
@@ -121,7 +170,7 @@ impl<'a> Pass<'a> {
             };
             h = out;
         }
-        self.kept.set((keep.kept, keep.first.map_or(0, |f| f.0)));
+        self.kept.set((keep.kept, keep.largest_kept));
         // The loss over chunks of rows, each chunk's logits freed before the next.
         let (b, t, d) = h.dims3()?;
         let rows = h.reshape((b * t, d))?;
@@ -147,20 +196,32 @@ impl<'a> Pass<'a> {
         let mut g = Tensor::cat(&g_rows, 0)?.reshape((b, t, d))?.to_dtype(h.dtype())?;
         drop((rows, h));
         // Backward, one block at a time, recomputing those that kept only their input.
+        let (mut start, mut graph) = (None, None);
         for i in (0..student.blocks.len()).rev() {
             let (x, y) = match saved.pop().context("block inputs out of step")? {
                 Saved::Graph(x, y) => (x, y),
                 Saved::Input(input) => {
                     let x = Var::from_tensor(&input)?;
                     drop(input);
+                    // The first recomputation of a block measures what it needs.
+                    if keep.measures() && self.sizes.borrow()[i].is_none() {
+                        crate::device::reset_peak_in_use(&keep.device);
+                        start = crate::device::in_use(&keep.device).map(|(now, _)| now);
+                    }
                     let y = student.blocks[i]
                         .forward(x.as_tensor(), &mut NoObserver, None)
                         .with_context(|| format!("layer {i}"))?;
+                    graph = start.and_then(|s| crate::device::in_use(&keep.device).map(|(now, _)| now - s.min(now)));
                     (x, y)
                 }
             };
-            let grads = crate::ops::seed_gradient(&y, &g)?.backward()?;
+            let grads = crate::ops::seed_gradient(&y, &g)?.backward().with_context(|| format!("layer {i}"))?;
             drop(y);
+            if let (Some(s), Some(graph)) = (start.take(), graph.take()) {
+                if let Some((_, high)) = crate::device::in_use(&keep.device) {
+                    self.sizes.borrow_mut()[i] = Some(Need { graph, peak: high.saturating_sub(s) });
+                }
+            }
             accumulate(vars, &grads, acc)?;
             if i > 0 {
                 g = grads
@@ -181,24 +242,43 @@ enum Saved {
     Graph(Var, Tensor),
 }
 
-/// Which blocks keep their graph from the forward. Under [`Recompute::Auto`] on a GPU a block
-/// keeps it while the free memory, less what the block will hold, still leaves room for the
-/// rest of the step: the loss's chunks of logits, a recomputed block's forward and backward
-/// (twice what a kept block holds), and a twentieth of the device. What a block holds is
-/// measured on the first one, which is kept with half the device free; the free memory after
-/// the others is predicted from it, so that the forward waits on the device only around the
-/// first block.
+/// Whether `e` is the device running out of memory.
+fn out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        let m = c.to_string();
+        m.contains("OUT_OF_MEMORY") || m.contains("out of memory")
+    })
+}
+
+/// What one block needs in bytes: its graph, held from its forward to its backward, and the most
+/// in use while it is recomputed and differentiated.
+#[derive(Debug, Clone, Copy)]
+struct Need {
+    graph: usize,
+    peak: usize,
+}
+
+/// Which blocks keep their graph from the forward. Under [`Recompute::Auto`] on a GPU, what
+/// each block needs is measured the first time the block is recomputed (the first pass keeps
+/// none, so it measures them all). From then on the forward keeps blocks in order while the
+/// free memory read before the first block, less the graphs kept so far, still leaves room for
+/// the rest of the step: the loss's chunks of logits, the most any block needs recomputed and
+/// differentiated, and a twentieth of the device. Blocks are measured one by one because they
+/// differ: a hybrid's attention blocks hold their [T, T] scores, many times a linear-attention
+/// block's graph, and their backward needs more again. The forward waits on the device once,
+/// before the first block.
 struct Keep {
     policy: Recompute,
     device: candle_core::Device,
-    /// Device memory in bytes.
+    /// Device memory in bytes, and what each block needs where measured.
     total: usize,
-    /// Free memory before the first block, and (what it held, the free memory it left) after.
+    sizes: Vec<Option<Need>>,
+    /// Free memory before the first block, and what the blocks kept so far hold.
     before: Option<usize>,
-    first: Option<(usize, usize)>,
-    /// Blocks kept so far.
+    held: usize,
+    /// Blocks kept so far, the largest of them (bytes), and blocks asked about.
     kept: usize,
-    /// Blocks asked about so far.
+    largest_kept: usize,
     asked: usize,
 }
 
@@ -210,50 +290,54 @@ struct Room {
 }
 
 impl Room {
-    /// Whether the next block keeps its graph, with `before` bytes free before the first block,
-    /// `first` = (what the first kept block held, the free memory it left), `kept` blocks kept.
-    fn keeps(&self, before: Option<usize>, first: Option<(usize, usize)>, kept: usize) -> bool {
-        match first {
-            None => kept == 0 && before.is_some_and(|f| f >= self.total / 2),
-            Some((block, after)) => {
-                let free = after.saturating_sub((kept - 1) * block);
-                free >= 3 * block + self.logits + self.total / 20
-            }
-        }
+    /// Whether a block whose graph holds `size` bytes keeps it, with `before` bytes free before
+    /// the first block, `held` bytes held by the blocks kept so far, and `peak` the most any
+    /// block needs recomputed and differentiated (`None` while some block is unmeasured: then
+    /// none is kept).
+    fn keeps(&self, before: Option<usize>, held: usize, size: Option<usize>, peak: Option<usize>) -> bool {
+        let (Some(before), Some(size), Some(peak)) = (before, size, peak) else { return false };
+        before.saturating_sub(held + size) >= peak + self.logits + self.total / 20
     }
 }
 
 impl Keep {
-    fn new(policy: Recompute, device: &candle_core::Device) -> Self {
+    fn new(policy: Recompute, device: &candle_core::Device, sizes: Vec<Option<Need>>) -> Self {
         let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
-        Self { policy, device: device.clone(), total, before: None, first: None, kept: 0, asked: 0 }
+        Self { policy, device: device.clone(), total, sizes, before: None, held: 0, kept: 0, largest_kept: 0, asked: 0 }
     }
 
-    /// Whether the next block keeps its graph.
-    fn next(&mut self) -> bool {
-        // Measured once, before the first block: a refusal there holds for the pass.
-        if self.asked == 0 && self.policy != Recompute::All {
-            self.before = self.free();
-        }
-        self.asked += 1;
-        match self.policy {
+    /// Whether block `i` keeps its graph.
+    fn next(&mut self, i: usize) -> bool {
+        let keep = match self.policy {
             Recompute::All => false,
             Recompute::None => true,
             Recompute::Auto => {
+                let peak = self.sizes.iter().try_fold(0, |m, s| s.map(|s| m.max(s.peak)));
+                // Read once, before the first block, and only once every block is measured.
+                if self.asked == 0 && peak.is_some() {
+                    self.before = self.free();
+                }
                 let room = Room { total: self.total, logits: chunk_logit_bytes(&self.device) };
-                room.keeps(self.before, self.first, self.kept)
+                room.keeps(self.before, self.held, self.graph(i), peak)
             }
+        };
+        self.asked += 1;
+        if keep {
+            let size = self.graph(i).unwrap_or(0);
+            self.held += size;
+            self.largest_kept = self.largest_kept.max(size);
+            self.kept += 1;
         }
+        keep
     }
 
-    /// A block kept its graph: the first one measures what it held.
-    fn kept_one(&mut self) {
-        if self.kept == 0 {
-            if let (Some(before), Some(after)) = (self.before, self.free()) {
-                self.first = Some((before.saturating_sub(after), after));
-            }
-        }
-        self.kept += 1;
+    fn graph(&self, i: usize) -> Option<usize> {
+        self.sizes.get(i).copied().flatten().map(|n| n.graph)
+    }
+
+    /// Whether recomputed blocks are measured (under `auto`, on a GPU).
+    fn measures(&self) -> bool {
+        self.policy == Recompute::Auto && !self.device.is_cpu()
     }
 
     /// Free device memory after the queued work (`None` on the CPU).
@@ -275,32 +359,51 @@ mod tests {
     use candle_core::Device;
     use std::sync::Arc;
 
-    /// The memory rule keeps blocks while what is left after the next one covers the loss's
-    /// logits, a recomputed block (twice a kept one) and a twentieth of the device, and keeps
-    /// none when the first block would start with less than half the device free.
+    /// The memory rule keeps blocks in order while what is left after the next one covers the
+    /// loss's logits, the most a block needs recomputed and differentiated, and a twentieth of
+    /// the device, and keeps none while a block is unmeasured or on the CPU.
     #[test]
     fn auto_keeps_blocks_while_memory_allows() {
         let gib = 1usize << 30;
         let room = Room { total: 140 * gib, logits: 4 * gib };
-        // The first block: half the device free or more.
-        assert!(room.keeps(Some(70 * gib), None, 0));
-        assert!(!room.keeps(Some(69 * gib), None, 0));
-        assert!(!room.keeps(None, None, 0), "unmeasured (the CPU): recompute");
-        // After it, 5 GiB a block from 120 GiB free: the next block needs 15 + 4 + 7 = 26 GiB
-        // left, so blocks 2..=20 are kept (free before block k is 120 - 5 (k - 1)).
-        let first = Some((5 * gib, 120 * gib));
-        let kept = (1..40).take_while(|&k| room.keeps(Some(125 * gib), first, k)).count() + 1;
-        assert_eq!(kept, 20);
-        // Whatever the sizes, the free memory predicted before a kept block covers the reserve.
-        for (block, after) in [(1, 60), (3, 100), (9, 131), (20, 70)] {
-            let first = Some((block * gib, after * gib));
-            for k in 1..200 {
-                if room.keeps(Some(140 * gib), first, k) {
-                    let free = (after * gib).saturating_sub((k - 1) * block * gib);
-                    assert!(free >= 3 * block * gib + 4 * gib + 7 * gib, "block {block} after {after} kept {k}");
-                }
-            }
+        assert!(!room.keeps(None, 0, Some(gib), Some(gib)), "unmeasured device (the CPU): recompute");
+        assert!(!room.keeps(Some(120 * gib), 0, None, None), "an unmeasured block: recompute");
+        assert!(!room.keeps(Some(120 * gib), 0, Some(gib), None), "some block unmeasured: recompute");
+        // 5 GiB a block, 10 at its peak, from 120 GiB free: the reserve is 10 + 4 + 7 = 21 GiB,
+        // so 19 blocks fit.
+        let plan = |sizes: &[usize], before: usize| -> Vec<bool> {
+            let largest = sizes.iter().map(|s| 2 * s).max();
+            let mut held = 0;
+            sizes
+                .iter()
+                .map(|&s| {
+                    let k = room.keeps(Some(before), held, Some(s), largest);
+                    held += if k { s } else { 0 };
+                    k
+                })
+                .collect()
+        };
+        assert_eq!(plan(&[5 * gib; 30], 120 * gib).iter().filter(|&&k| k).count(), 19);
+        // A hybrid: every fourth block holds 8x a linear-attention block. The reserve follows the
+        // largest, and whatever is kept leaves it free.
+        let sizes: Vec<usize> = (0..32).map(|i| if i % 4 == 3 { 16 * gib } else { 2 * gib }).collect();
+        for before in [40, 80, 120, 135] {
+            let kept = plan(&sizes, before * gib);
+            let held: usize = sizes.iter().zip(&kept).filter(|(_, &k)| k).map(|(s, _)| s).sum();
+            assert!(
+                held == 0 || before * gib - held >= 2 * 16 * gib + 4 * gib + 7 * gib,
+                "before {before}: held {held}"
+            );
+            assert_eq!(kept.iter().any(|&k| k), before * gib >= 2 * gib + 43 * gib, "before {before}: {kept:?}");
         }
+    }
+
+    /// The device's out-of-memory error is recognised under the context a pass adds to it.
+    #[test]
+    fn out_of_memory_is_recognised() {
+        let e = anyhow::anyhow!("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")").context("layer 31");
+        assert!(out_of_memory(&e));
+        assert!(!out_of_memory(&anyhow::anyhow!("shape mismatch").context("layer 3")));
     }
 
     /// The checkpointed, chunked pass, recomputing every block or none, gives the gradients of
