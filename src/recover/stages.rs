@@ -51,14 +51,19 @@ fn accumulate(
 ) -> Result<()> {
     for (name, var) in vars {
         if let Some(g) = grads.get(var.as_tensor()) {
-            let g = g.to_dtype(DType::F32)?;
-            let sum = match acc.remove(name) {
-                Some(a) => (a + g)?,
-                None => g,
-            };
-            acc.insert(name.clone(), sum);
+            add_to(acc, name.clone(), g.to_dtype(DType::F32)?)?;
         }
     }
+    Ok(())
+}
+
+/// `acc[name] += g`, or `g` where `acc` has no `name` yet.
+fn add_to(acc: &mut HashMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
+    let sum = match acc.remove(&name) {
+        Some(a) => (a + g)?,
+        None => g,
+    };
+    acc.insert(name, sum);
     Ok(())
 }
 
@@ -124,11 +129,7 @@ impl<'a> Pass<'a> {
             Err(e) => Err(e),
             Ok(parts) => {
                 for (name, g) in mine {
-                    let sum = match acc.remove(&name) {
-                        Some(a) => (a + g)?,
-                        None => g,
-                    };
-                    acc.insert(name, sum);
+                    add_to(acc, name, g)?;
                 }
                 Ok(parts)
             }
@@ -196,28 +197,33 @@ impl<'a> Pass<'a> {
         let mut g = Tensor::cat(&g_rows, 0)?.reshape((b, t, d))?.to_dtype(h.dtype())?;
         drop((rows, h));
         // Backward, one block at a time, recomputing those that kept only their input.
-        let (mut start, mut graph) = (None, None);
         for i in (0..student.blocks.len()).rev() {
+            // (in use before the recompute, what its graph holds) where this block is measured.
+            let mut measured = None;
             let (x, y) = match saved.pop().context("block inputs out of step")? {
                 Saved::Graph(x, y) => (x, y),
                 Saved::Input(input) => {
                     let x = Var::from_tensor(&input)?;
                     drop(input);
                     // The first recomputation of a block measures what it needs.
-                    if keep.measures() && self.sizes.borrow()[i].is_none() {
+                    let start = if keep.measures() && self.sizes.borrow()[i].is_none() {
                         crate::device::reset_peak_in_use(&keep.device);
-                        start = crate::device::in_use(&keep.device).map(|(now, _)| now);
-                    }
+                        crate::device::in_use(&keep.device).map(|(now, _)| now)
+                    } else {
+                        None
+                    };
                     let y = student.blocks[i]
                         .forward(x.as_tensor(), &mut NoObserver, None)
                         .with_context(|| format!("layer {i}"))?;
-                    graph = start.and_then(|s| crate::device::in_use(&keep.device).map(|(now, _)| now - s.min(now)));
+                    if let Some(s) = start {
+                        measured = crate::device::in_use(&keep.device).map(|(now, _)| (s, now.saturating_sub(s)));
+                    }
                     (x, y)
                 }
             };
             let grads = crate::ops::seed_gradient(&y, &g)?.backward().with_context(|| format!("layer {i}"))?;
             drop(y);
-            if let (Some(s), Some(graph)) = (start.take(), graph.take()) {
+            if let Some((s, graph)) = measured {
                 if let Some((_, high)) = crate::device::in_use(&keep.device) {
                     self.sizes.borrow_mut()[i] = Some(Need { graph, peak: high.saturating_sub(s) });
                 }
@@ -273,13 +279,14 @@ struct Keep {
     /// Device memory in bytes, and what each block needs where measured.
     total: usize,
     sizes: Vec<Option<Need>>,
+    /// The most any block needs recomputed and differentiated (`None` while one is unmeasured).
+    peak: Option<usize>,
     /// Free memory before the first block, and what the blocks kept so far hold.
     before: Option<usize>,
     held: usize,
-    /// Blocks kept so far, the largest of them (bytes), and blocks asked about.
+    /// Blocks kept so far, and the largest of them (bytes).
     kept: usize,
     largest_kept: usize,
-    asked: usize,
 }
 
 /// The memory rule of [`Recompute::Auto`], apart from the device: `total` bytes of device
@@ -303,7 +310,23 @@ impl Room {
 impl Keep {
     fn new(policy: Recompute, device: &candle_core::Device, sizes: Vec<Option<Need>>) -> Self {
         let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
-        Self { policy, device: device.clone(), total, sizes, before: None, held: 0, kept: 0, largest_kept: 0, asked: 0 }
+        let peak = sizes.iter().try_fold(0, |m, s| s.map(|s| m.max(s.peak)));
+        let mut keep = Self {
+            policy,
+            device: device.clone(),
+            total,
+            sizes,
+            peak,
+            before: None,
+            held: 0,
+            kept: 0,
+            largest_kept: 0,
+        };
+        // Read once, before the first block, and only once every block is measured.
+        if policy == Recompute::Auto && peak.is_some() {
+            keep.before = keep.free();
+        }
+        keep
     }
 
     /// Whether block `i` keeps its graph.
@@ -312,16 +335,10 @@ impl Keep {
             Recompute::All => false,
             Recompute::None => true,
             Recompute::Auto => {
-                let peak = self.sizes.iter().try_fold(0, |m, s| s.map(|s| m.max(s.peak)));
-                // Read once, before the first block, and only once every block is measured.
-                if self.asked == 0 && peak.is_some() {
-                    self.before = self.free();
-                }
                 let room = Room { total: self.total, logits: chunk_logit_bytes(&self.device) };
-                room.keeps(self.before, self.held, self.graph(i), peak)
+                room.keeps(self.before, self.held, self.graph(i), self.peak)
             }
         };
-        self.asked += 1;
         if keep {
             let size = self.graph(i).unwrap_or(0);
             self.held += size;
