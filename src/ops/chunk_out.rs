@@ -167,8 +167,7 @@ impl CustomOp3 for Out {
         let back =
             OutBack { d, qk: qk.clone(), walked: walked.clone(), gamma: gamma.clone(), rest: Default::default() };
         let dqk = grad.to_dtype(DType::F32)?.contiguous()?.apply_op1_no_bwd(&back)?.reshape(qk.shape())?;
-        let rest = back.rest.lock().map_err(|_| candle_core::Error::Msg("chunk outputs: poisoned".into()))?.take();
-        let rest = rest.ok_or_else(|| candle_core::Error::Msg("chunk outputs: no backward ran".into()))?;
+        let rest = back.take_rest()?;
         let dwalked = rest.narrow(0, 0, d.walked_len())?.reshape(walked.shape())?;
         let dgamma = rest.narrow(0, d.walked_len(), d.scalars())?.reshape(gamma.shape())?;
         Ok((Some(dqk), Some(dwalked), Some(dgamma)))
@@ -188,9 +187,15 @@ struct OutBack {
 }
 
 impl OutBack {
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+        self.rest.lock().map_err(|_| candle_core::Error::Msg("chunk outputs: poisoned".into()))
+    }
     fn keep_rest(&self, rest: Tensor) -> Result<()> {
-        *self.rest.lock().map_err(|_| candle_core::Error::Msg("chunk outputs: poisoned".into()))? = Some(rest);
+        *self.slot()? = Some(rest);
         Ok(())
+    }
+    fn take_rest(&self) -> Result<Tensor> {
+        self.slot()?.take().ok_or_else(|| candle_core::Error::Msg("chunk outputs: no backward ran".into()))
     }
 }
 

@@ -270,13 +270,7 @@ impl InplaceOp3 for JoinKeys {
         let solve = self.solve.as_ref().map(super::cpu_f32).transpose()?;
         let (a, b) = super::contiguous(dl, what)?;
         let CpuStorage::F32(dqk) = dqk else { candle_core::bail!("{what}: dqk is not float32") };
-        let dk = dkend.len() / e.len().max(1);
-        if dkend.len() != e.len() * dk
-            || b - a != 2 * dkend.len()
-            || solve.as_ref().is_some_and(|s| s.len() != dkend.len())
-        {
-            candle_core::bail!("{what}: {} elements of dqk, {} of dkend, {} scales", b - a, dkend.len(), e.len());
-        }
+        let dk = super::launch::join_width(b - a, dkend.len(), e.len(), solve.as_ref().map(Vec::len))?;
         for (r, row) in dqk[a..b].chunks_exact_mut(2 * dk).enumerate() {
             for (j, x) in row[dk..].iter_mut().enumerate() {
                 let i = r * dk + j;

@@ -787,11 +787,8 @@ pub fn chunk_join_keys(dqk: &mut CudaStorage, dl: &Layout, dki: Option<Input>, d
     let (a, b) = contiguous(dl, what)?;
     let (dkend, e) = (view::<f32>(dkend, what)?, view::<f32>(e, what)?);
     let rows = layout_rows(e.len())?;
-    let dk = (b - a) / (2 * e.len());
-    if dkend.len() != e.len() * dk || dk * 2 * e.len() != b - a {
-        candle_core::bail!("{what}: {} rows of dqk, {} of dkend, {} scales", b - a, dkend.len(), e.len());
-    }
     let dki = dki.map(|x| view::<f32>(x, what)).transpose()?;
+    let dk = super::launch::join_width(b - a, dkend.len(), e.len(), dki.as_ref().map(|x| x.len()))?;
     let has_intra = i32::from(dki.is_some());
     // Absent, dki is never read: dkend stands in for its pointer.
     let dki = dki.as_ref().unwrap_or(&dkend);

@@ -107,3 +107,16 @@ impl ChunkLayout {
         self.b * self.t * self.h * self.d
     }
 }
+
+/// The key width of the chunked recurrence's join of the keys' gradient (`ops::chunk_recurrence`)
+/// from its operands' lengths: dqk [rows, 2dk], dkend and the solve's dK [rows, dk], one scale a
+/// row. The op's CPU half and its CUDA launcher both check their operands here.
+pub(crate) fn join_width(dqk: usize, dkend: usize, scales: usize, solve: Option<usize>) -> candle_core::Result<usize> {
+    let dk = dkend / scales.max(1);
+    if scales == 0 || dkend != scales * dk || dqk != 2 * dkend || solve.is_some_and(|s| s != dkend) {
+        candle_core::bail!(
+            "chunk keys' gradient: {dqk} elements of dqk, {dkend} of dkend, {scales} scales, {solve:?} of dK"
+        );
+    }
+    Ok(dk)
+}
