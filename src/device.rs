@@ -118,6 +118,14 @@ mod pool {
         };
     }
 
+    /// Hand every mapped byte the pool is not using back to the driver, so that the next
+    /// allocations are mapped afresh rather than fitted between what the pool kept.
+    pub fn trim(dev: &CudaDevice) {
+        let Some(pool) = default_pool(dev) else { return };
+        // SAFETY: a live pool; trimming to zero keeps every allocation still in use.
+        let _ = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+    }
+
     /// Bytes the pool holds mapped but has not handed out: free for statecut's next allocation.
     pub fn cached(dev: &CudaDevice) -> u64 {
         let Some(pool) = default_pool(dev) else { return 0 };
@@ -188,6 +196,19 @@ pub fn reset_peak_in_use(device: &Device) {
     if let Device::Cuda(d) = device {
         if device.synchronize().is_ok() {
             pool::reset_high(d);
+        }
+    }
+    let _ = device;
+}
+
+/// Release the memory the pool keeps for reuse once the queued work is done. After running out
+/// of memory, what the pool kept is mapped in the sizes of the failed work's allocations, which
+/// a different pattern of allocations may not fit.
+pub fn release_cached(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        if device.synchronize().is_ok() {
+            pool::trim(d);
         }
     }
     let _ = device;

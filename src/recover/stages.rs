@@ -124,6 +124,7 @@ impl<'a> Pass<'a> {
             Err(e) if out_of_memory(&e) => {
                 drop(mine);
                 self.fell_back.set(true);
+                crate::device::release_cached(self.student.layers.device());
                 self.run_with(Recompute::All, ids, targets, scale, vars, acc)
             }
             Err(e) => Err(e),
