@@ -465,26 +465,39 @@ pub fn out_norm(
     Ok(per_dtype!(dtype, "out_norm", "output norm", launch))
 }
 
+/// Whether a row-wise kernel over rows of `n` elements of T may take 16 bytes a thread: n a
+/// multiple of that, and every operand starting on a 16-byte boundary (candle's allocations do;
+/// a view's offset may not).
+fn vec16<T>(n: usize, offsets: &[usize]) -> bool {
+    let per = 16 / std::mem::size_of::<T>();
+    n.is_multiple_of(per) && offsets.iter().all(|o| o.is_multiple_of(per))
+}
+
+/// The grid of `swiglu` and `swiglu_bwd`: columns (in 16-byte packs with `vec`) by rows.
+fn swiglu_cfg(rows: usize, n: usize, per: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(per).div_ceil(256) as u32, rows.clamp(1, 65535) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// `swiglu` in kernels.cu: x [rows, 2n] (contiguous) to [rows, n].
 pub fn swiglu(x: &CudaStorage, xl: &Layout, rows: usize, n: usize) -> Result<CudaStorage> {
     let dev = x.device().clone();
     let total = rows * n;
-    // Columns on x of the grid, rows on y (see `swiglu` in kernels.cu).
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65535) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (rows, n) = (rows as i64, n as i32);
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>((x, xl), "swiglu")?;
+            let vec = vec16::<$ty>(n, &[xl.start_offset()]);
+            let cfg = swiglu_cfg(rows, n, if vec { 16 / std::mem::size_of::<$ty>() } else { 1 });
             // SAFETY: the kernel writes all rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(total)? };
             let func = function(&dev, $name)?;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&out).arg(&rows).arg(&n);
+            let (rows, n, vec) = (rows as i64, n as i32, vec as i32);
+            builder.arg(&xv).arg(&out).arg(&rows).arg(&n).arg(&vec);
             // SAFETY: argument list matches `swiglu_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)
@@ -502,23 +515,20 @@ pub fn swiglu_bwd(
     n: usize,
 ) -> Result<CudaStorage> {
     let dev = x.0.device().clone();
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65535) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let total = 2 * rows * n;
-    let (rows, n) = (rows as i64, n as i32);
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>(x, "swiglu backward")?;
             let gv = view::<$ty>(dy, "swiglu backward gradient")?;
+            let vec = vec16::<$ty>(n, &[x.1.start_offset(), dy.1.start_offset()]);
+            let cfg = swiglu_cfg(rows, n, if vec { 16 / std::mem::size_of::<$ty>() } else { 1 });
             // SAFETY: the kernel writes all rows x 2n outputs.
             let out = unsafe { dev.alloc::<$ty>(total)? };
             let func = function(&dev, $name)?;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&gv).arg(&out).arg(&rows).arg(&n);
+            let (rows, n, vec) = (rows as i64, n as i32, vec as i32);
+            builder.arg(&xv).arg(&gv).arg(&out).arg(&rows).arg(&n).arg(&vec);
             // SAFETY: argument list matches `swiglu_bwd_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)

@@ -18,41 +18,44 @@ template <> __device__ __forceinline__ __half from_f<__half>(float x) { return _
 // [C], optionally followed by SiLU: y[b,t,c] = act(bias[c] + sum_i w[c,i] x[b, t+i-pad, c]), zero
 // outside [0, L); y [B, T_out, C] contiguous. pad = K-1 is a fresh sequence; pad = 0 with the
 // last K-1 inputs prepended continues one.
-// One thread per channel and CONV_TILE consecutive steps of one sequence: the K inputs a step
-// needs slide through registers, so each input is read once, and no index needs a division
-// per element.
+// One thread per channel and CONV_TILE consecutive steps of one sequence. The thread loads the
+// CONV_TILE + 7 inputs its steps read into registers before computing any of them: the loads
+// are independent, so they are in flight together, where loads interleaved with the outputs'
+// stores would each wait for the one before. No index needs a division per element.
 #define CONV_TILE 16
 template <typename T>
-__device__ void conv_silu(const T *x, long long xs, const T *w, const T *bias, T *y, int B, int L, int T_out,
-                          int C, int K, int pad, int act) {
+__device__ void conv_silu(const T *__restrict__ x, long long xs, const T *__restrict__ w,
+                          const T *__restrict__ bias, T *__restrict__ y, int B, int L, int T_out, int C, int K,
+                          int pad, int act) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   const int tiles = (T_out + CONV_TILE - 1) / CONV_TILE;
   if (c >= C) return;
+  const float bc = to_f(bias[c]);
   for (long long bt = blockIdx.y; bt < (long long)B * tiles; bt += gridDim.y) {
     const int b = bt / tiles, t0 = (bt % tiles) * CONV_TILE, t1 = min(t0 + CONV_TILE, T_out);
     const T *xb = x + (long long)b * L * xs + c;
     T *yb = y + (long long)b * T_out * C + c;
-    const float bc = to_f(bias[c]);
     auto in = [&](int s) { return (s >= 0 && s < L) ? to_f(xb[(long long)s * xs]) : 0.0f; };
     if (K <= 8) {
-      // Slot j holds x[t + i - pad] for tap i = j - (8 - K); slots below 8 - K are unused.
-      float wa[8], win[8];
+      // Tap i of step t reads x[t + i - pad] = xin[t - t0 + j] with j = i + 8 - K: slot m of xin
+      // holds x[t0 - 7 + (K - 1 - pad) + m].
+      const int base = t0 - 7 + K - 1 - pad;
+      float wa[8], xin[CONV_TILE + 7];
 #pragma unroll
       for (int j = 0; j < 8; j++) {
         const int i = j - (8 - K);
         wa[j] = i >= 0 ? to_f(w[c * K + i]) : 0.0f;
-        win[j] = (i >= 0 && j < 7) ? in(t0 + i - pad) : 0.0f;
       }
-      for (int t = t0; t < t1; t++) {
-        win[7] = in(t + K - 1 - pad);
+#pragma unroll
+      for (int m = 0; m < CONV_TILE + 7; m++) xin[m] = in(base + m);
+#pragma unroll
+      for (int u = 0; u < CONV_TILE; u++) {
         float acc = bc;
 #pragma unroll
         for (int j = 0; j < 8; j++)
-          if (j >= 8 - K) acc += wa[j] * win[j];
+          if (j >= 8 - K) acc += wa[j] * xin[u + j];
         if (act) acc = acc / (1.0f + expf(-acc));
-        yb[(long long)t * C] = from_f<T>(acc);
-#pragma unroll
-        for (int j = 0; j < 7; j++) win[j] = win[j + 1];
+        if (t0 + u < t1) yb[(long long)(t0 + u) * C] = from_f<T>(acc);
       }
     } else {
       for (int t = t0; t < t1; t++) {
@@ -82,8 +85,9 @@ CONV(conv_silu_f16, __half)
 // dx[s] = sum_i w[i] dpre[s+K-1-i] is emitted 7 steps behind, when its dpre are all known.
 // Slot j of the windows holds step t - 7 + j (tap i = j - (8 - K)), so every index is static.
 template <typename T>
-__device__ void conv_silu_bwd(const T *x, long long xs, const float *wb, const T *dy, float *out, int B, int L,
-                              int C, int K, int act, int tt) {
+__device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float *__restrict__ wb,
+                              const T *__restrict__ dy, float *__restrict__ out, int B, int L, int C, int K, int act,
+                              int tt) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int tiles = (L + tt - 1) / tt;
@@ -110,36 +114,46 @@ __device__ void conv_silu_bwd(const T *x, long long xs, const float *wb, const T
       dq[j] = 0.0f;
       dwr[j] = 0.0f;
     }
-    for (int t = t0; t < t1 + 7; t++) {
+    // Eight steps at a time: their inputs and gradients are loaded together first, so the loads
+    // overlap instead of each waiting behind the previous step's store.
+    for (int tb = t0; tb < t1 + 7; tb += 8) {
+      float xg[8], dg[8];
 #pragma unroll
-      for (int j = 0; j < 7; j++) {
-        xw[j] = xw[j + 1];
-        dq[j] = dq[j + 1];
+      for (int u = 0; u < 8; u++) {
+        xg[u] = in(tb + u);
+        dg[u] = tb + u < L ? to_f(gb[(long long)(tb + u) * C]) : 0.0f;
       }
-      xw[7] = in(t);
-      float d = 0.0f;
-      if (t < L) {
-        float pre = bc;
 #pragma unroll
-        for (int j = 0; j < 8; j++) pre += wr[j] * xw[j];
-        d = to_f(gb[(long long)t * C]);
-        if (act) {
+      for (int u = 0; u < 8; u++) {
+        const int t = tb + u;
+        if (t >= t1 + 7) break;
+#pragma unroll
+        for (int j = 0; j < 7; j++) {
+          xw[j] = xw[j + 1];
+          dq[j] = dq[j + 1];
+        }
+        xw[7] = xg[u];
+        float d = dg[u];
+        if (t < L && act) {
+          float pre = bc;
+#pragma unroll
+          for (int j = 0; j < 8; j++) pre += wr[j] * xw[j];
           const float s = 1.0f / (1.0f + expf(-pre));
           d *= s * (1.0f + pre * (1.0f - s));
         }
-      }
-      dq[7] = d;
-      if (t < t1) {
+        dq[7] = d;
+        if (t < t1) {
 #pragma unroll
-        for (int j = 0; j < 8; j++) dwr[j] += d * xw[j];
-        dbias += d;
-      }
-      const int s = t - 7;
-      if (s >= t0) {
-        float acc = 0.0f;
+          for (int j = 0; j < 8; j++) dwr[j] += d * xw[j];
+          dbias += d;
+        }
+        const int s = t - 7;
+        if (s >= t0) {
+          float acc = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; j++) acc += wr[j] * dq[7 - j];
-        dxb[(long long)s * C] = acc;
+          for (int j = 0; j < 8; j++) acc += wr[j] * dq[7 - j];
+          dxb[(long long)s * C] = acc;
+        }
       }
     }
     float *pc = part + (long long)c * (K + 1) * ntiles + bt;
@@ -802,43 +816,83 @@ OUT_NORM(out_norm_f32, float)
 OUT_NORM(out_norm_bf16, __nv_bfloat16)
 OUT_NORM(out_norm_f16, __half)
 
+// Sixteen bytes of T, loaded or stored as one access (the caller checks the alignment).
+template <typename T> struct __align__(16) Pack16 {
+  T v[16 / sizeof(T)];
+};
+
 // SwiGLU on the stacked gate|up projection: y[r, i] = silu(x[r, i]) · x[r, n + i], in float32,
 // rounded once to T. x [rows, 2n], y [rows, n]. Columns on x of the grid, rows on y (strided
-// past 65535), so no element needs a 64-bit division.
+// past 65535), so no element needs a 64-bit division. With `vec` (n a multiple of 16 bytes of T
+// and x 16-byte aligned) a thread takes 16 bytes of columns with one load of each half and one
+// store: a memory-bound kernel then moves its bytes in full lines.
 template <typename T>
-__device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long rows, int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+__device__ void swiglu(const T *__restrict__ x, T *__restrict__ y, long long rows, int n, int vec) {
+  constexpr int V = 16 / sizeof(T);
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) * (vec ? V : 1);
   if (i >= n) return;
   for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float gv = to_f(x[r * 2 * n + i]);
-    y[r * n + i] = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(x[r * 2 * n + n + i]));
+    const T *g = x + r * 2 * n + i, *u = g + n;
+    T *o = y + r * n + i;
+    if (vec) {
+      const Pack16<T> gp = *reinterpret_cast<const Pack16<T> *>(g), up = *reinterpret_cast<const Pack16<T> *>(u);
+      Pack16<T> op;
+#pragma unroll
+      for (int e = 0; e < V; e++) {
+        const float gv = to_f(gp.v[e]);
+        op.v[e] = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(up.v[e]));
+      }
+      *reinterpret_cast<Pack16<T> *>(o) = op;
+    } else {
+      const float gv = to_f(*g);
+      *o = from_f<T>(gv / (1.0f + expf(-gv)) * to_f(*u));
+    }
   }
 }
 
-#define SWIGLU(NAME, T) \
-  extern "C" __global__ void NAME(const T *x, T *y, long long rows, int n) { swiglu<T>(x, y, rows, n); }
+#define SWIGLU(NAME, T)                                                                           \
+  extern "C" __global__ void NAME(const T *x, T *y, long long rows, int n, int vec) {             \
+    swiglu<T>(x, y, rows, n, vec);                                                                 \
+  }
 SWIGLU(swiglu_f32, float)
 SWIGLU(swiglu_bf16, __nv_bfloat16)
 SWIGLU(swiglu_f16, __half)
 
 // The backward of swiglu: d[gate | up] = [dy · up · silu'(gate) | dy · silu(gate)], float32
-// inside, rounded once to T; the grid as swiglu's.
+// inside, rounded once to T; the grid and `vec` as swiglu's (dy 16-byte aligned too).
+template <typename T>
+__device__ __forceinline__ void swiglu_grad(float gv, float up, float d, T &dg, T &du) {
+  const float sig = 1.0f / (1.0f + expf(-gv));
+  dg = from_f<T>(d * up * sig * (1.0f + gv * (1.0f - sig)));
+  du = from_f<T>(d * gv * sig);
+}
+
 template <typename T>
 __device__ void swiglu_bwd(const T *__restrict__ x, const T *__restrict__ dy, T *__restrict__ dx, long long rows,
-                           int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+                           int n, int vec) {
+  constexpr int V = 16 / sizeof(T);
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) * (vec ? V : 1);
   if (i >= n) return;
   for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float gv = to_f(x[r * 2 * n + i]), up = to_f(x[r * 2 * n + n + i]), d = to_f(dy[r * n + i]);
-    const float sig = 1.0f / (1.0f + expf(-gv));
-    dx[r * 2 * n + i] = from_f<T>(d * up * sig * (1.0f + gv * (1.0f - sig)));
-    dx[r * 2 * n + n + i] = from_f<T>(d * gv * sig);
+    const T *g = x + r * 2 * n + i, *u = g + n, *d = dy + r * n + i;
+    T *dg = dx + r * 2 * n + i, *du = dg + n;
+    if (vec) {
+      const Pack16<T> gp = *reinterpret_cast<const Pack16<T> *>(g), up = *reinterpret_cast<const Pack16<T> *>(u),
+                      dp = *reinterpret_cast<const Pack16<T> *>(d);
+      Pack16<T> gq, uq;
+#pragma unroll
+      for (int e = 0; e < V; e++) swiglu_grad<T>(to_f(gp.v[e]), to_f(up.v[e]), to_f(dp.v[e]), gq.v[e], uq.v[e]);
+      *reinterpret_cast<Pack16<T> *>(dg) = gq;
+      *reinterpret_cast<Pack16<T> *>(du) = uq;
+    } else {
+      swiglu_grad<T>(to_f(*g), to_f(*u), to_f(*d), *dg, *du);
+    }
   }
 }
 
 #define SWIGLU_BWD(NAME, T)                                                                        \
-  extern "C" __global__ void NAME(const T *x, const T *dy, T *dx, long long rows, int n) {         \
-    swiglu_bwd<T>(x, dy, dx, rows, n);                                                             \
+  extern "C" __global__ void NAME(const T *x, const T *dy, T *dx, long long rows, int n, int vec) { \
+    swiglu_bwd<T>(x, dy, dx, rows, n, vec);                                                        \
   }
 SWIGLU_BWD(swiglu_bwd_f32, float)
 SWIGLU_BWD(swiglu_bwd_bf16, __nv_bfloat16)
