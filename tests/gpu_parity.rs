@@ -690,20 +690,19 @@ fn conv_and_norm_gradients_match_cpu() {
             let l2 = |t: &[Tensor], _: DType| statecut::ops::norm::l2_norm(&t[0], 1e-6).unwrap();
             compare(&format!("l2 norm n {n}"), dtype, &[rand(&[3, 70, 4, n], 13)], &rand(&[3, 70, 4, n], 14), &l2);
         }
-        // SwiGLU over a stacked gate | up projection (frozen, as in recovery), the input trained.
-        let mlp = |t: &[Tensor], dt: DType| {
-            use statecut::layers::{linear::Linear, mlp::SwiGlu};
-            let gate_up = Linear::new(
-                (rand(&[2 * 96, 64], 10) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(t[0].device()).unwrap(),
-                None,
-            );
-            let down = Linear::new(
-                (rand(&[64, 96], 11) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(t[0].device()).unwrap(),
-                None,
-            );
-            SwiGlu::stacked(gate_up, down).unwrap().forward(&t[0].to_dtype(dt).unwrap()).unwrap()
-        };
-        compare("swiglu", dtype, &[rand(&[3, 70, 64], 9)], &rand(&[3, 70, 64], 12), &mlp);
+        // SwiGLU over a stacked gate | up projection (frozen, as in recovery), the input trained:
+        // a width the kernels take 16 bytes at a time and one they take element by element.
+        for n in [96, 90] {
+            let mlp = |t: &[Tensor], dt: DType| {
+                use statecut::layers::{linear::Linear, mlp::SwiGlu};
+                let dev = t[0].device();
+                let w = |shape: &[usize], seed| (rand(shape, seed) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(dev);
+                let gate_up = Linear::new(w(&[2 * n, 64], 10).unwrap(), None);
+                let down = Linear::new(w(&[64, n], 11).unwrap(), None);
+                SwiGlu::stacked(gate_up, down).unwrap().forward(&t[0].to_dtype(dt).unwrap()).unwrap()
+            };
+            compare(&format!("swiglu n {n}"), dtype, &[rand(&[3, 70, 64], 9)], &rand(&[3, 70, 64], 12), &mlp);
+        }
         // A frozen projection (a row view of a wider weight) on a trained input, with a bias.
         let proj = |t: &[Tensor], dt: DType| {
             let dev = t[0].device();
@@ -716,6 +715,13 @@ fn conv_and_norm_gradients_match_cpu() {
             candle_core::Module::forward(&lin, &t[0].to_dtype(dt).unwrap()).unwrap()
         };
         compare("frozen projection", dtype, &[rand(&[3, 70, 96], 17)], &rand(&[3, 70, 40], 18), &proj);
+        // A trained projection (recovery's adapted weights): the input and the weight trained.
+        let trained = |t: &[Tensor], dt: DType| {
+            let lin = statecut::layers::linear::Linear::new(t[1].to_dtype(dt).unwrap(), None);
+            candle_core::Module::forward(&lin, &t[0].to_dtype(dt).unwrap()).unwrap()
+        };
+        let inputs = [rand(&[3, 70, 96], 19), (rand(&[40, 96], 20) * 0.2).unwrap()];
+        compare("trained projection", dtype, &inputs, &rand(&[3, 70, 40], 21), &trained);
     }
 }
 

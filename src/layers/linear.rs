@@ -113,11 +113,11 @@ impl Linear {
             && crate::ops::untracked(&[self.weight()])
     }
 
-    /// Whether x [B, T, in] takes one batched product: off the CPU, when a gradient flows
-    /// through x or the weight, and for a weight whose rows are contiguous (a column view is
-    /// not).
-    fn batched(&self, x: &Tensor) -> bool {
-        x.rank() == 3
+    /// Whether x [.., in] takes statecut's differentiable projection: off the CPU, when a
+    /// gradient flows through x or the weight, and for a weight whose rows are contiguous (a
+    /// column view is not).
+    fn trained(&self, x: &Tensor) -> bool {
+        x.rank() >= 2
             && !x.device().is_cpu()
             && self.weight().is_contiguous()
             && !crate::ops::untracked(&[x, self.weight()])
@@ -190,12 +190,10 @@ impl Module for Linear {
         let product = if self.frozen_under_gradient(x) {
             // The weight takes no gradient: candle's matmul backward would compute it anyway.
             Some(crate::ops::projection::frozen_linear(x, self.weight())?)
-        } else if self.batched(x) {
-            // One batched product over [B, T, in] against the weight broadcast in place (batch
-            // stride 0): candle's fold into rows adds two reshapes, and each reshape adds a
-            // full-size gradient accumulation to the backward; `broadcast_matmul` would copy
-            // the weight once per sequence.
-            Some(x.matmul(&self.weight().broadcast_left(x.dim(0)?)?.t()?)?)
+        } else if self.trained(x) {
+            // One product over all rows each way, the weight's gradient included, with no
+            // reshape in the graph (see `ops::projection`).
+            Some(crate::ops::projection::trained_linear(x, self.weight())?)
         } else {
             None
         };
