@@ -57,9 +57,16 @@ impl SwiGlu {
             return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu(&crate::ops::linear(s, x)?)?)?);
         }
         // With gradients on a GPU (frozen stacked weights, a tracked input): one product and the
-        // activation's own backward, not two products and candle's ops.
+        // activation's own backward, not two products and candle's ops; with the down
+        // projection frozen too, the whole MLP is one op (see `ops::mlp::frozen_swiglu_mlp`).
         let plain = [&self.gate, &self.up].iter().all(|l| l.adapter().is_none());
         if let Some(s) = self.stacked.as_ref().filter(|s| plain && s.adapter().is_none() && !x.device().is_cpu()) {
+            let frozen = [s, &self.down].iter().all(|l| l.bias().is_none() && l.is_plain())
+                && crate::ops::untracked(&[s.weight(), self.down.weight()])
+                && [s.weight(), self.down.weight()].iter().all(|w| w.is_contiguous());
+            if frozen {
+                return Ok(crate::ops::mlp::frozen_swiglu_mlp(x, s.weight(), self.down.weight())?);
+            }
             return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu_grad(&crate::ops::linear(s, x)?)?)?);
         }
         let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;

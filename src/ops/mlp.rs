@@ -1,7 +1,9 @@
-//! SwiGLU's activation as one op over the stacked gate|up projection's output (the layer
-//! itself is `layers::mlp::SwiGlu`).
+//! SwiGLU's activation as one op over the stacked gate|up projection's output, and a frozen
+//! SwiGLU MLP as one op differentiable in its input (the layer itself is `layers::mlp::SwiGlu`).
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
+use std::sync::Mutex;
 
 /// silu(gate) · up of x [.., 2n] = [gate | up] by [`Swiglu`] (no backward).
 pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
@@ -123,6 +125,98 @@ impl candle_core::CustomOp2 for SwigluBwd {
     }
 }
 
+/// down(silu(gate) · up) of x [.., in] with frozen weights, the stacked gate|up [2n, in] and
+/// down [out, n] (contiguous rows, no bias), differentiable in x. As three ops (two projections
+/// and the activation) candle's backward adds the gradient of the [.., 2n] and [.., n]
+/// intermediates into fresh zeros, two full-size passes over the largest activations of the
+/// layer, and the graph holds both; here dx = (swiglu'(gu) ∘ (dy · down)) · gate_up with the
+/// op keeping only gu.
+pub fn frozen_swiglu_mlp(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let ((two_n, inp), (_, n)) = (gate_up.dims2()?, down.dims2()?);
+    if x.dims().last() != Some(&inp) || two_n != 2 * n || !gate_up.is_contiguous() || !down.is_contiguous() {
+        candle_core::bail!(
+            "frozen MLP: input {:?}, gate|up {:?}, down {:?} (contiguous rows)",
+            x.shape(),
+            gate_up.shape(),
+            down.shape()
+        );
+    }
+    let op = FrozenMlp { gate_up: gate_up.detach(), down: down.detach(), gu: Mutex::new(None) };
+    x.contiguous()?.apply_op1(op)
+}
+
+struct FrozenMlp {
+    gate_up: Tensor,
+    down: Tensor,
+    /// The gate|up projection's output from the forward, for the backward.
+    gu: Mutex<Option<Tensor>>,
+}
+
+impl FrozenMlp {
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+        self.gu.lock().map_err(|_| candle_core::Error::Msg("frozen MLP: a backward panicked".into()))
+    }
+
+    /// The sizes of the two products (see `projection::plan`) for x laid out as `l`.
+    fn plans(&self, l: &Layout) -> Result<(super::projection::Plan, super::projection::Plan)> {
+        let first = super::projection::plan(l, self.gate_up.layout())?;
+        let mut s_dims = first.3.dims().to_vec();
+        *s_dims.last_mut().expect("x has a last dimension") /= 2;
+        let second = super::projection::plan(&Layout::contiguous(s_dims), self.down.layout())?;
+        Ok((first, second))
+    }
+}
+
+impl CustomOp1 for FrozenMlp {
+    fn name(&self) -> &'static str {
+        "statecut-frozen-mlp"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ((bmnk, lhs, rhs, gu_shape), (bmnk2, lhs2, rhs2, shape)) = self.plans(l)?;
+        let (wg, wd) = (self.gate_up.storage_and_layout().0, self.down.storage_and_layout().0);
+        let (Storage::Cpu(wg), Storage::Cpu(wd)) = (&*wg, &*wd) else {
+            candle_core::bail!("frozen MLP: the weights are not on the CPU")
+        };
+        let gu = x.matmul(wg, bmnk, &lhs, &rhs)?;
+        let (s, _) = Swiglu.cpu_fwd(&gu, &Layout::contiguous(gu_shape.clone()))?;
+        let y = s.matmul(wd, bmnk2, &lhs2, &rhs2)?;
+        *self.slot()? =
+            Some(Tensor::from_storage(Storage::Cpu(gu), gu_shape, candle_core::op::BackpropOp::none(), false));
+        Ok((y, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ((bmnk, lhs, rhs, gu_shape), (bmnk2, lhs2, rhs2, shape)) = self.plans(l)?;
+        let (wg, wd) = (self.gate_up.storage_and_layout().0, self.down.storage_and_layout().0);
+        let (Storage::Cuda(wg), Storage::Cuda(wd)) = (&*wg, &*wd) else {
+            candle_core::bail!("frozen MLP: the weights are not on the GPU")
+        };
+        let gu = x.matmul(wg, bmnk, &lhs, &rhs)?;
+        let (rows, n) = (bmnk.1, bmnk.2 / 2);
+        let s = super::cuda::swiglu(&gu, &Layout::contiguous(gu_shape.clone()), rows, n)?;
+        let y = s.matmul(wd, bmnk2, &lhs2, &rhs2)?;
+        *self.slot()? =
+            Some(Tensor::from_storage(Storage::Cuda(gu), gu_shape, candle_core::op::BackpropOp::none(), false));
+        Ok((y, shape))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let gu = match self.slot()?.take() {
+            Some(gu) => gu,
+            // A second backward over the same graph: the forward's product again.
+            None => super::projection::frozen_linear(&x.detach(), &self.gate_up)?,
+        };
+        let (out, n) = self.down.dims2()?;
+        let rows = gu.elem_count() / (2 * n).max(1);
+        let dy = grad.to_dtype(x.dtype())?.contiguous()?.reshape((rows, out))?;
+        let ds = dy.matmul(&self.down)?;
+        let dgu = gu.reshape((rows, 2 * n))?.apply_op2_no_bwd(&ds, &SwigluBwd)?;
+        Ok(Some(dgu.matmul(&self.gate_up)?.reshape(x.shape())?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +263,44 @@ mod tests {
         let gs = (&slow * &g)?.sum_all()?.backward()?;
         let diff = (gf.get(x.as_tensor()).unwrap() - gs.get(x.as_tensor()).unwrap())?.abs()?.max_all()?;
         assert!(diff.to_scalar::<f32>()? < 1e-5, "swiglu gradient differs by {diff}");
+        Ok(())
+    }
+
+    /// The frozen MLP's output and input gradient equal the three ops' (projections and the
+    /// activation), for 2-D and 3-D inputs, a down weight that is a row view, in float32 and
+    /// bf16, and a second backward over the same graph; a bias-shaped mismatch is refused.
+    #[test]
+    fn frozen_mlp_matches_the_composed_form() -> Result<()> {
+        let dev = Device::Cpu;
+        let gate_up = (Tensor::randn(0f32, 1.0, (2 * 7, 5), &dev)? * 0.5)?;
+        let down_wide = (Tensor::randn(0f32, 1.0, (6, 7), &dev)? * 0.5)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let (wg, wd) = (gate_up.to_dtype(dtype)?, down_wide.to_dtype(dtype)?.narrow(0, 1, 4)?);
+            for shape in [vec![9, 5], vec![2, 3, 5]] {
+                let x =
+                    candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, shape.as_slice(), &dev)?.to_dtype(dtype)?)?;
+                let mut out = shape.clone();
+                *out.last_mut().unwrap() = 4;
+                let dy = Tensor::randn(0f32, 1.0, out.as_slice(), &dev)?;
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let diff =
+                    |a: &Tensor, b: &Tensor| -> Result<f32> { (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>() };
+                let tol = if dtype == DType::F32 { 1e-5 } else { 6e-2 };
+                let fast = frozen_swiglu_mlp(x.as_tensor(), &wg, &wd)?;
+                let slow = swiglu_grad(&x.as_tensor().broadcast_matmul(&wg.t()?)?)?.broadcast_matmul(&wd.t()?)?;
+                assert!(diff(&fast, &slow)? < tol, "{dtype:?} {shape:?}: outputs differ");
+                let loss = (f(&fast)? * &dy)?.sum_all()?;
+                let gs = (f(&slow)? * &dy)?.sum_all()?.backward()?;
+                let want = gs.get(x.as_tensor()).expect("gradient");
+                for pass in 0..2 {
+                    let gf = loss.backward()?;
+                    let err = diff(gf.get(x.as_tensor()).expect("gradient"), want)?;
+                    assert!(err < tol, "{dtype:?} {shape:?} backward {pass}: input gradients differ by {err}");
+                }
+            }
+        }
+        let x = Tensor::zeros((2, 5), DType::F32, &dev)?;
+        assert!(frozen_swiglu_mlp(&x, &gate_up.narrow(0, 0, 13)?, &down_wide).is_err());
         Ok(())
     }
 }

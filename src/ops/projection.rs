@@ -26,7 +26,7 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 struct FrozenLinear(Tensor);
 
 /// One product: its sizes (batch, m, n, k), the two operands' layouts and the output's shape.
-type Plan = ((usize, usize, usize, usize), Layout, Layout, Shape);
+pub(super) type Plan = ((usize, usize, usize, usize), Layout, Layout, Shape);
 
 impl CustomOp1 for FrozenLinear {
     fn name(&self) -> &'static str {
@@ -109,7 +109,7 @@ impl CustomOp2 for TrainedLinear {
 
 /// The product's sizes (1, rows, out, in) for x [.., in] against a weight [out, in]: x's rows
 /// as a [rows, in] layout at its offset, the weight's transpose [in, out], and the output's shape.
-fn plan(xl: &Layout, wl: &Layout) -> Result<Plan> {
+pub(super) fn plan(xl: &Layout, wl: &Layout) -> Result<Plan> {
     let (out, inp) = wl.shape().dims2()?;
     let rows = xl.shape().elem_count() / inp.max(1);
     let (start, _) = super::contiguous(xl, "projection")?;
