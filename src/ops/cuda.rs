@@ -336,12 +336,14 @@ pub fn rms_bwd(
             let xv = view::<$ty>(x, "norm backward")?;
             let gv = view::<$ty>(g, "norm backward gate")?;
             let dv = view::<$ty>(dy, "norm backward gradient")?;
+            let offsets = [x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
+            let vec = (vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()])) as i32;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes every dx (and dg) and every block's partial dw.
             let out = unsafe { dev.alloc::<f32>(len)? };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi);
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi).arg(&vec);
             // SAFETY: argument list matches `rms_bwd_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)

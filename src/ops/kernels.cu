@@ -13,6 +13,31 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+// Sixteen bytes of T, loaded or stored as one access (the caller checks the alignment).
+template <typename T> struct __align__(16) Pack16 {
+  T v[16 / sizeof(T)];
+};
+
+// The 16 / sizeof(T) values of T at p (16-byte aligned) as floats.
+template <typename T> __device__ __forceinline__ void load16(const T *p, float *f) {
+  const Pack16<T> pk = *reinterpret_cast<const Pack16<T> *>(p);
+#pragma unroll
+  for (int e = 0; e < 16 / (int)sizeof(T); e++) f[e] = to_f(pk.v[e]);
+}
+
+// N floats (N a multiple of 4) at p, 16-byte aligned, loaded and stored four at a time.
+template <int N> __device__ __forceinline__ void load_floats(const float *p, float *f) {
+#pragma unroll
+  for (int e = 0; e < N; e += 4) {
+    const float4 q = *reinterpret_cast<const float4 *>(p + e);
+    f[e] = q.x, f[e + 1] = q.y, f[e + 2] = q.z, f[e + 3] = q.w;
+  }
+}
+template <int N> __device__ __forceinline__ void store_floats(float *p, const float *f) {
+#pragma unroll
+  for (int e = 0; e < N; e += 4) *reinterpret_cast<float4 *>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+}
+
 // Depthwise causal short convolution over x [B, L, C] (row t of sequence b at (b L + t) xs, so a
 // column slice of a wider projection output is read where it lies) with weight [C, K] and bias
 // [C], optionally followed by SiLU: y[b,t,c] = act(bias[c] + sum_i w[c,i] x[b, t+i-pad, c]), zero
@@ -214,26 +239,51 @@ GATED_RMS(gated_rms_f16, __half)
 // its rows into its own row of the partials, in a fixed order, so the result does not depend
 // on scheduling as shared-memory atomics would.
 #define RMS_BWD_ROWS 64
+// With `vec` (n a multiple of 16 bytes of T, every operand 16-byte aligned) each lane takes 16
+// bytes of a row at a time, a quarter to an eighth of the load and store instructions.
 template <typename T>
 __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const float *__restrict__ w,
-                        const T *__restrict__ dy, float *__restrict__ out, int rows, int n, float eps, int gated) {
+                        const T *__restrict__ dy, float *__restrict__ out, int rows, int n, float eps, int gated,
+                        int vec) {
+  constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   float *dx = out, *dg = out + (int64_t)rows * n;
   float *dw = dg + (gated ? (int64_t)rows * n : 0) + ((int64_t)blockIdx.x * warps + warp) * n;
-  for (int i = lane; i < n; i += 32) dw[i] = 0.0f;
   const int r0 = blockIdx.x * RMS_BWD_ROWS, r1 = min(r0 + RMS_BWD_ROWS, rows);
+  // The lane's first column and step: packs of V when vectorised. A lane zeroes the partial dw
+  // it later adds to, so no other lane's write needs to be visible to it.
+  const int i0 = vec ? lane * V : lane, step = vec ? 32 * V : 32, width = vec ? V : 1;
+  for (int i = i0; i < n; i += step)
+    for (int e = 0; e < width; e++) dw[i + e] = 0.0f;
   for (int row = r0 + warp; row < r1; row += warps) {
     const T *xr = x + (int64_t)row * n, *gr = g + (int64_t)row * n, *dr = dy + (int64_t)row * n;
-    float ss = 0.0f, dot = 0.0f;
-    for (int i = lane; i < n; i += 32) {
-      const float v = to_f(xr[i]);
-      float u = to_f(dr[i]);
-      if (gated) {
-        const float gv = to_f(gr[i]);
-        u *= gv / (1.0f + expf(-gv));
+    // Values [i, i + width) of a row of T as floats.
+    auto get = [&](const T *r, int i, float *f) {
+      if (vec) {
+        load16(r + i, f);
+      } else {
+        f[0] = to_f(r[i]);
       }
-      ss += v * v;
-      dot += u * w[i] * v;
+    };
+    float ss = 0.0f, dot = 0.0f;
+    for (int i = i0; i < n; i += step) {
+      float xv[V], dv[V], gv[V], wv[V];
+      get(xr, i, xv);
+      get(dr, i, dv);
+      if (gated) get(gr, i, gv);
+      if (vec) {
+        load_floats<V>(w + i, wv);
+      } else {
+        wv[0] = w[i];
+      }
+#pragma unroll
+      for (int e = 0; e < V; e++) {
+        if (e >= width) break;
+        float u = dv[e];
+        if (gated) u *= gv[e] / (1.0f + expf(-gv[e]));
+        ss += xv[e] * xv[e];
+        dot += u * wv[e] * xv[e];
+      }
     }
     for (int off = 16; off > 0; off >>= 1) {
       ss += __shfl_xor_sync(0xffffffffu, ss, off);
@@ -242,25 +292,50 @@ __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const 
     const float inv = rsqrtf(ss / n + eps);
     // mean(u w x^) = inv · dot / n
     const float m = inv * dot / n;
-    for (int i = lane; i < n; i += 32) {
-      const float xh = to_f(xr[i]) * inv, d = to_f(dr[i]);
-      float sg = 1.0f;
-      if (gated) {
-        const float gv = to_f(gr[i]), sig = 1.0f / (1.0f + expf(-gv));
-        sg = gv * sig;
-        dg[(int64_t)row * n + i] = d * xh * w[i] * sig * (1.0f + gv * (1.0f - sig));
+    float *dxr = dx + (int64_t)row * n, *dgr = dg + (int64_t)row * n;
+    for (int i = i0; i < n; i += step) {
+      float xv[V], dv[V], gv[V], wv[V], ox[V], og[V], ow[V];
+      get(xr, i, xv);
+      get(dr, i, dv);
+      if (gated) get(gr, i, gv);
+      if (vec) {
+        load_floats<V>(w + i, wv);
+        load_floats<V>(dw + i, ow);
+      } else {
+        wv[0] = w[i];
+        ow[0] = dw[i];
       }
-      const float u = d * sg;
-      dx[(int64_t)row * n + i] = inv * (u * w[i] - xh * m);
-      dw[i] += u * xh;
+#pragma unroll
+      for (int e = 0; e < V; e++) {
+        if (e >= width) break;
+        const float xh = xv[e] * inv, d = dv[e];
+        float sg = 1.0f;
+        if (gated) {
+          const float sig = 1.0f / (1.0f + expf(-gv[e]));
+          sg = gv[e] * sig;
+          og[e] = d * xh * wv[e] * sig * (1.0f + gv[e] * (1.0f - sig));
+        }
+        const float u = d * sg;
+        ox[e] = inv * (u * wv[e] - xh * m);
+        ow[e] += u * xh;
+      }
+      if (vec) {
+        store_floats<V>(dxr + i, ox);
+        if (gated) store_floats<V>(dgr + i, og);
+        store_floats<V>(dw + i, ow);
+      } else {
+        dxr[i] = ox[0];
+        if (gated) dgr[i] = og[0];
+        dw[i] = ow[0];
+      }
     }
   }
 }
 
 #define RMS_BWD(NAME, T)                                                                            \
   extern "C" __global__ void NAME(const T *x, const T *g, const float *w, const T *dy, float *out,  \
-                                  int rows, int n, float eps, int gated) {                         \
-    rms_bwd<T>(x, g, w, dy, out, rows, n, eps, gated);                                              \
+                                  int rows, int n, float eps, int gated, int vec) {                \
+    rms_bwd<T>(x, g, w, dy, out, rows, n, eps, gated, vec);                                         \
   }
 RMS_BWD(rms_bwd_f32, float)
 RMS_BWD(rms_bwd_bf16, __nv_bfloat16)
@@ -815,11 +890,6 @@ __device__ void out_norm(const float *__restrict__ x, const T *__restrict__ g, l
 OUT_NORM(out_norm_f32, float)
 OUT_NORM(out_norm_bf16, __nv_bfloat16)
 OUT_NORM(out_norm_f16, __half)
-
-// Sixteen bytes of T, loaded or stored as one access (the caller checks the alignment).
-template <typename T> struct __align__(16) Pack16 {
-  T v[16 / sizeof(T)];
-};
 
 // SwiGLU on the stacked gate|up projection: y[r, i] = silu(x[r, i]) · x[r, n + i], in float32,
 // rounded once to T. x [rows, 2n], y [rows, n]. Columns on x of the grid, rows on y (strided
