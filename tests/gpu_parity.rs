@@ -715,6 +715,16 @@ fn conv_and_norm_gradients_match_cpu() {
             candle_core::Module::forward(&lin, &t[0].to_dtype(dt).unwrap()).unwrap()
         };
         compare("frozen projection", dtype, &[rand(&[3, 70, 96], 17)], &rand(&[3, 70, 40], 18), &proj);
+        // The recurrence's inputs from the conv's rows (a column slice): q/k-style heads (L2-normed
+        // into float32, repeated for two value heads, a pruned width) and v-style (copied).
+        for (off, heads, d, rep, norm) in [(4, 3, 48, 2, Some(1e-6f32)), (150, 2, 40, 1, None)] {
+            let f = move |t: &[Tensor], dt: DType| {
+                let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
+                statecut::ops::prep::Heads { off, heads, d, rep, norm }.run(&rows).unwrap()
+            };
+            let out = [3, 70, heads * rep, d];
+            compare(&format!("heads d {d} norm {norm:?}"), dtype, &[rand(&[3, 70, 200], 22)], &rand(&out, 23), &f);
+        }
         // A trained projection (recovery's adapted weights): the input and the weight trained.
         let trained = |t: &[Tensor], dt: DType| {
             let lin = statecut::layers::linear::Linear::new(t[1].to_dtype(dt).unwrap(), None);

@@ -265,6 +265,18 @@ impl LinearAttention {
         let (q, k, v) = if fused {
             let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
             prep.run(&mixed)?
+        } else if !dev.is_cpu() {
+            // With gradients on a GPU: one op per part, each reading its columns in place and
+            // writing d(mixed) in one pass (see `ops::prep::Heads`).
+            let part = |off: usize, heads: usize, w: usize, rep: usize, norm: Option<f32>| {
+                crate::ops::prep::Heads { off, heads, d: w, rep, norm }.run(&mixed)
+            };
+            let eps = Some(L2_EPS as f32);
+            (
+                part(0, d.heads, d.dk, d.r(), eps)?,
+                part(kd, d.heads, d.dk, d.r(), eps)?,
+                part(2 * kd, d.v_heads, d.dv, 1, None)?,
+            )
         } else {
             // Cast from the column slice, then split heads: one pass, not a copy and a cast.
             let head_f32 = |off: usize| mixed.narrow(2, off, kd)?.to_dtype(f32)?.reshape((b, t, d.heads, d.dk));

@@ -4,7 +4,7 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{ChunkLayout, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, KD_STATS, MAX_DK, TILE};
+use super::launch::{ChunkLayout, Heads, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, KD_STATS, MAX_DK, TILE};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -702,6 +702,100 @@ pub fn qkv_prep(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &
     }
     per_dtype!(x.dtype(), "qkv_prep", "recurrence inputs", launch);
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `heads_fwd` in kernels.cu: [`Heads`] of x's rows (start offset and row stride), float32 when
+/// normed, else in x's dtype, [rows, heads·rep, d] flat.
+pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Heads) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let cfg = LaunchConfig {
+        grid_dim: ((rows * p.heads).div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = rows * p.heads * p.rep * p.d;
+    let (xs, rows, off) = (xs as i64, rows as i64, p.off as i32);
+    let ints = [p.heads, p.d, p.rep, p.norm.is_some() as usize].map(|v| v as i32);
+    let eps = p.norm.unwrap_or(0.0);
+    // The output's element type: float32 when normed, else the input's.
+    macro_rules! run {
+        ($ty:ty, $out:ty, $name:expr) => {{
+            let xv = from::<$ty>(x, offset)?;
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes all n outputs.
+            let out = unsafe { dev.alloc::<$out>(n)? };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&xs).arg(&off).arg(&out).arg(&rows);
+            for v in &ints {
+                builder.arg(v);
+            }
+            builder.arg(&eps);
+            // SAFETY: argument list matches `heads_fwd_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            match p.norm {
+                Some(_) => run!($ty, f32, $name),
+                None => run!($ty, $ty, $name),
+            }
+        }};
+    }
+    Ok(per_dtype!(x.dtype(), "heads_fwd", "heads", launch))
+}
+
+/// `heads_bwd` in kernels.cu: d(x) [rows, c] in x's dtype, zero outside the heads' columns, from
+/// dy (contiguous; float32 when normed, else x's dtype).
+pub fn heads_bwd(
+    x: &CudaStorage,
+    (offset, xs): (usize, usize),
+    (rows, c): (usize, usize),
+    dy: (&CudaStorage, &Layout),
+    p: &Heads,
+) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let cfg = LaunchConfig {
+        grid_dim: ((rows * p.heads).div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (xs, rows_i, off, c_i) = (xs as i64, rows as i64, p.off as i32, c as i32);
+    let ints = [p.heads, p.d, p.rep, p.norm.is_some() as usize].map(|v| v as i32);
+    let eps = p.norm.unwrap_or(0.0);
+    let (da, db) = contiguous(dy.1, "heads backward gradient")?;
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = from::<$ty>(x, offset)?;
+            let out = dev.alloc_zeros::<$ty>(rows * c)?;
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&xs).arg(&off);
+            let (g32, gt);
+            match p.norm {
+                Some(_) => {
+                    g32 = dy.0.as_cuda_slice::<f32>()?.slice(da..db);
+                    builder.arg(&g32);
+                }
+                None => {
+                    gt = dy.0.as_cuda_slice::<$ty>()?.slice(da..db);
+                    builder.arg(&gt);
+                }
+            }
+            builder.arg(&out).arg(&rows_i).arg(&c_i);
+            for v in &ints {
+                builder.arg(v);
+            }
+            builder.arg(&eps);
+            // SAFETY: argument list matches `heads_bwd_*` in kernels.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch))
 }
 
 /// A tensor's storage and layout as a CUDA one, or an error naming `what`.

@@ -1042,6 +1042,93 @@ QKV_PREP(qkv_prep_f32, float)
 QKV_PREP(qkv_prep_bf16, __nv_bfloat16)
 QKV_PREP(qkv_prep_f16, __half)
 
+// Heads from columns of a layer's stacked rows, and their backward (src/ops/prep.rs `Heads`): x
+// rows at r·xs, head h at columns off + h·d. Forward: out [rows, H·rep, d], each head written
+// rep times, L2-normed (x / sqrt(Σx² + eps)) into float32 when `norm`, else copied as T. Backward:
+// dx [rows, C] as T (allocated zero: only the heads' columns are written) from dy [rows, H·rep,
+// d] (float32 when `norm`, else T): g = Σ over the copies, and with the norm
+// dx = (g − y (y·g)) / n for y = x / n, n = sqrt(Σx² + eps). One warp per (row, head).
+template <typename T>
+__device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *__restrict__ out, long long rows,
+                          int H, int d, int rep, int norm, float eps) {
+  const int lane = threadIdx.x & 31;
+  const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (wid >= rows * H) return;
+  const long long row = wid / H;
+  const int h = wid % H;
+  const T *xr = x + row * xs + off + (long long)h * d;
+  const long long o = (row * H + h) * (long long)rep * d;
+  float n = 1.0f;
+  if (norm) {
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+      const float v = to_f(xr[i]);
+      ss += v * v;
+    }
+    for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
+    n = sqrtf(ss + eps);
+  }
+  for (int i = lane; i < d; i += 32) {
+    const float v = to_f(xr[i]);
+    for (int j = 0; j < rep; j++) {
+      if (norm) {
+        static_cast<float *>(out)[o + j * d + i] = v / n;
+      } else {
+        static_cast<T *>(out)[o + j * d + i] = xr[i];
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const void *__restrict__ dy,
+                          T *__restrict__ dx, long long rows, int C, int H, int d, int rep, int norm, float eps) {
+  const int lane = threadIdx.x & 31;
+  const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (wid >= rows * H) return;
+  const long long row = wid / H;
+  const int h = wid % H;
+  const T *xr = x + row * xs + off + (long long)h * d;
+  const long long o = (row * H + h) * (long long)rep * d;
+  T *out = dx + row * C + off + (long long)h * d;
+  auto grad = [&](int i) {
+    float g = 0.0f;
+    for (int j = 0; j < rep; j++)
+      g += norm ? static_cast<const float *>(dy)[o + j * d + i] : to_f(static_cast<const T *>(dy)[o + j * d + i]);
+    return g;
+  };
+  if (!norm) {
+    for (int i = lane; i < d; i += 32) out[i] = from_f<T>(grad(i));
+    return;
+  }
+  float ss = 0.0f, dot = 0.0f;
+  for (int i = lane; i < d; i += 32) {
+    const float v = to_f(xr[i]);
+    ss += v * v;
+    dot += v * grad(i);
+  }
+  for (int s = 16; s > 0; s >>= 1) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, s);
+    dot += __shfl_xor_sync(0xffffffffu, dot, s);
+  }
+  const float n = sqrtf(ss + eps), yg = dot / n;
+  for (int i = lane; i < d; i += 32) out[i] = from_f<T>((grad(i) - to_f(xr[i]) / n * yg) / n);
+}
+
+#define HEADS(SUFFIX, T)                                                                            \
+  extern "C" __global__ void heads_fwd_##SUFFIX(const T *x, long long xs, int off, void *out, long long rows, \
+                                                int H, int d, int rep, int norm, float eps) {      \
+    heads_fwd<T>(x, xs, off, out, rows, H, d, rep, norm, eps);                                      \
+  }                                                                                                 \
+  extern "C" __global__ void heads_bwd_##SUFFIX(const T *x, long long xs, int off, const void *dy, T *dx,  \
+                                                long long rows, int C, int H, int d, int rep, int norm, \
+                                                float eps) {                                       \
+    heads_bwd<T>(x, xs, off, dy, dx, rows, C, H, d, rep, norm, eps);                                \
+  }
+HEADS(f32, float)
+HEADS(bf16, __nv_bfloat16)
+HEADS(f16, __half)
+
 // Residual add and RMSNorm in one pass: h = a + b rounded to T (as a separate add rounds), then
 // y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One block per row of width n (a
 // decoding step has as few rows as sequences, so a row is spread over the whole block);

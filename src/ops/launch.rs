@@ -24,6 +24,18 @@ pub struct QkvPrep {
     pub eps: f32,
 }
 
+/// Heads read from columns of a layer's stacked rows (see `ops::prep::Heads`): `heads` heads of
+/// width `d` from column `off`, each written `rep` times, L2-normed into float32 when `norm`
+/// holds an eps (x / sqrt(Σx² + eps)), else copied in the input's dtype.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Heads {
+    pub off: usize,
+    pub heads: usize,
+    pub d: usize,
+    pub rep: usize,
+    pub norm: Option<f32>,
+}
+
 /// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
 #[cfg(feature = "cuda")]
 pub(crate) const TILE: usize = 32;

@@ -3,9 +3,9 @@
 //! candle ops take six passes over the same data (two copies out of the stacked output, two
 //! widenings, two norms) and a seventh for v.
 
-pub use super::launch::QkvPrep;
+pub use super::launch::{Heads, QkvPrep};
 use super::Rows;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
 impl QkvPrep {
     /// Floats written for `rows` rows: q and k [rows, Hv, dk], v [rows, Hv, dv].
@@ -87,6 +87,162 @@ impl CustomOp1 for QkvPrep {
     fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let r = Rows::of(l, "recurrence inputs")?;
         Ok((super::cuda::qkv_prep(x, (r.offset, r.stride), r.rows, self)?, Shape::from(self.out_len(r.rows))))
+    }
+}
+
+/// The recurrence's inputs from the short conv's output with gradients, one op per part: q and
+/// k ([`Heads`] with a norm) and v (without) each read their columns of the rows in place, and
+/// each backward writes d(rows) whole in one pass. As candle ops a part is a narrow, a cast, a
+/// reshape (v: a copy), a norm and a repeat, and the backward adds a full-size gradient for
+/// every one of them, the narrow's padded to the rows' whole width.
+impl Heads {
+    /// [.., heads·rep, d] from x [.., C] (rows of one stride): float32 when normed, else x's
+    /// dtype; differentiable in x.
+    pub fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let c = x.dims().last().copied().unwrap_or(0);
+        if self.heads == 0 || self.d == 0 || self.rep == 0 || self.off + self.heads * self.d > c {
+            candle_core::bail!("heads: {} x {} from column {} do not fit rows of {c}", self.heads, self.d, self.off);
+        }
+        super::as_rows(x)?.apply_op1(*self)
+    }
+
+    fn out_shape(&self, l: &Layout) -> Shape {
+        let mut dims = l.dims()[..l.dims().len() - 1].to_vec();
+        dims.extend([self.heads * self.rep, self.d]);
+        Shape::from(dims)
+    }
+
+    fn fwd_cpu<T: WithDType>(&self, x: &[T], r: &Rows) -> CpuStorage {
+        let (h, d, rep) = (self.heads, self.d, self.rep);
+        let head = |row: usize, kh: usize| &r.row(x, row)[self.off + kh * d..][..d];
+        match self.norm {
+            Some(eps) => {
+                let mut out = vec![0f32; r.rows * h * rep * d];
+                for row in 0..r.rows {
+                    for kh in 0..h {
+                        let xs: Vec<f32> = head(row, kh).iter().map(|v| v.to_f64() as f32).collect();
+                        let n = (xs.iter().map(|v| v * v).sum::<f32>() + eps).sqrt();
+                        for j in 0..rep {
+                            let o = ((row * h + kh) * rep + j) * d;
+                            for (i, v) in xs.iter().enumerate() {
+                                out[o + i] = v / n;
+                            }
+                        }
+                    }
+                }
+                CpuStorage::F32(out)
+            }
+            None => {
+                let mut out = Vec::with_capacity(r.rows * h * rep * d);
+                for row in 0..r.rows {
+                    for kh in 0..h {
+                        for _ in 0..rep {
+                            out.extend_from_slice(head(row, kh));
+                        }
+                    }
+                }
+                T::to_cpu_storage_owned(out)
+            }
+        }
+    }
+
+    /// d(x) [rows, width] from the outputs' gradient g (the module's formulas).
+    fn bwd_cpu<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G]) -> Vec<T> {
+        let (h, d, rep) = (self.heads, self.d, self.rep);
+        let mut out = vec![T::from_f64(0.0); r.rows * r.width];
+        for row in 0..r.rows {
+            for kh in 0..h {
+                let xs: Vec<f32> = r.row(x, row)[self.off + kh * d..][..d].iter().map(|v| v.to_f64() as f32).collect();
+                let o = (row * h + kh) * rep * d;
+                let gs: Vec<f32> =
+                    (0..d).map(|i| (0..rep).map(|j| g[o + j * d + i].to_f64() as f32).sum::<f32>()).collect();
+                let dx: Vec<f32> = match self.norm {
+                    Some(eps) => {
+                        let n = (xs.iter().map(|v| v * v).sum::<f32>() + eps).sqrt();
+                        let yg = xs.iter().zip(&gs).map(|(v, g)| v * g).sum::<f32>() / n;
+                        xs.iter().zip(&gs).map(|(v, g)| (g - v / n * yg) / n).collect()
+                    }
+                    None => gs,
+                };
+                for (i, v) in dx.into_iter().enumerate() {
+                    out[row * r.width + self.off + kh * d + i] = T::from_f64(v as f64);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for Heads {
+    fn name(&self) -> &'static str {
+        "statecut-heads"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let r = Rows::of(l, "heads")?;
+        let out = match x {
+            CpuStorage::F32(x) => self.fwd_cpu(x, &r),
+            CpuStorage::BF16(x) => self.fwd_cpu(x, &r),
+            CpuStorage::F16(x) => self.fwd_cpu(x, &r),
+            _ => candle_core::bail!("heads: unsupported dtype"),
+        };
+        Ok((out, self.out_shape(l)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let r = Rows::of(l, "heads")?;
+        Ok((super::cuda::heads(x, (r.offset, r.stride), r.rows, self)?, self.out_shape(l)))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let want = if self.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
+        let g = grad.to_dtype(want)?.contiguous()?;
+        Ok(Some(x.apply_op2_no_bwd(&g, &HeadsBwd(*self))?))
+    }
+}
+
+/// [`Heads`]' backward over (x, the outputs' gradient): d(x) in x's shape (contiguous) and dtype.
+struct HeadsBwd(Heads);
+
+impl CustomOp2 for HeadsBwd {
+    fn name(&self) -> &'static str {
+        "statecut-heads-bwd"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let r = Rows::of(xl, "heads backward")?;
+        let (a, b) = super::contiguous(gl, "heads backward gradient")?;
+        macro_rules! go {
+            ($x:expr, $wrap:path) => {
+                match g {
+                    CpuStorage::F32(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
+                    CpuStorage::BF16(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
+                    CpuStorage::F16(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
+                    _ => candle_core::bail!("heads backward: unsupported dtype"),
+                }
+            };
+        }
+        let out = match x {
+            CpuStorage::F32(x) => go!(x, CpuStorage::F32),
+            CpuStorage::BF16(x) => go!(x, CpuStorage::BF16),
+            CpuStorage::F16(x) => go!(x, CpuStorage::F16),
+            _ => candle_core::bail!("heads backward: unsupported dtype"),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let r = Rows::of(xl, "heads backward")?;
+        let out = super::cuda::heads_bwd(x, (r.offset, r.stride), (r.rows, r.width), (g, gl), &self.0)?;
+        Ok((out, xl.shape().clone()))
     }
 }
 
@@ -192,6 +348,44 @@ mod tests {
         let rel = max_diff(&sums, &plain) / plain.max_all()?.to_scalar::<f32>()?;
         assert!(rel < 1e-5, "column sums differ by {rel}");
         assert_eq!(x.apply_op1_no_bwd(&ColumnSquares)?.dims(), &[3, 5]);
+        Ok(())
+    }
+
+    /// The heads op equals the candle ops it stands for, forward and backward: q/k-style (a
+    /// norm, float32, repeated for two value heads) and v-style (a copy in the input's dtype),
+    /// on a column slice of a wider matrix, in float32 and bf16; columns outside the heads get a
+    /// zero gradient, and heads past the rows' width are refused.
+    #[test]
+    fn heads_match_candle_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        let wide = Tensor::randn(0f32, 1.0, (2, 5, 30), &dev)?;
+        for dtype in [DType::F32, DType::BF16] {
+            for (off, heads, d, rep, norm) in [(4, 2, 6, 2, Some(1e-6f32)), (16, 3, 4, 1, None)] {
+                let x = candle_core::Var::from_tensor(&wide.to_dtype(dtype)?)?;
+                let rows = x.as_tensor().narrow(2, 1, 28)?;
+                let p = Heads { off, heads, d, rep, norm };
+                let fast = p.run(&rows)?;
+                let part = rows.narrow(2, off, heads * d)?.reshape((2, 5, heads, d))?;
+                let slow = match norm {
+                    Some(eps) => repeat_heads(&l2_norm(&part.to_dtype(DType::F32)?, eps as f64)?, rep)?,
+                    None => part.contiguous()?,
+                };
+                assert_eq!((fast.dims(), fast.dtype()), (slow.dims(), slow.dtype()));
+                let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+                assert!(max_diff(&f(&fast), &f(&slow)) < tol, "outputs differ ({dtype:?}, norm {norm:?})");
+                let dy = Tensor::randn(0f32, 1.0, fast.dims(), &dev)?;
+                let grad = |y: &Tensor| -> Result<Tensor> {
+                    let g = (f(y) * &dy)?.sum_all()?.backward()?;
+                    Ok(f(g.get(x.as_tensor()).expect("a gradient")))
+                };
+                let (gf, gs) = (grad(&fast)?, grad(&slow)?);
+                assert!(max_diff(&gf, &gs) < tol, "gradients differ ({dtype:?}, norm {norm:?})");
+                let outside = gf.narrow(2, 1 + off + heads * d, 29 - off - heads * d)?;
+                assert_eq!(outside.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+            }
+        }
+        assert!(Heads { off: 20, heads: 2, d: 6, rep: 1, norm: None }.run(&wide).is_err());
         Ok(())
     }
 }
