@@ -704,19 +704,25 @@ pub fn qkv_prep(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// `heads_fwd` in kernels.cu: [`Heads`] of x's rows (start offset and row stride), float32 when
-/// normed, else in x's dtype, [rows, heads·rep, d] flat.
-pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Heads) -> Result<CudaStorage> {
-    let dev = x.device().clone();
+/// What `heads_fwd` and `heads_bwd` share: one warp per (row, head), eight warps a block, and
+/// their trailing arguments (heads, d, rep, norm) and eps.
+fn heads_launch(rows: usize, p: &Heads) -> (LaunchConfig, [i32; 4], f32) {
     let cfg = LaunchConfig {
         grid_dim: ((rows * p.heads).div_ceil(8) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    let ints = [p.heads, p.d, p.rep, p.norm.is_some() as usize].map(|v| v as i32);
+    (cfg, ints, p.norm.unwrap_or(0.0))
+}
+
+/// `heads_fwd` in kernels.cu: [`Heads`] of x's rows (start offset and row stride), float32 when
+/// normed, else in x's dtype, [rows, heads·rep, d] flat.
+pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Heads) -> Result<CudaStorage> {
+    let dev = x.device().clone();
+    let (cfg, ints, eps) = heads_launch(rows, p);
     let n = rows * p.heads * p.rep * p.d;
     let (xs, rows, off) = (xs as i64, rows as i64, p.off as i32);
-    let ints = [p.heads, p.d, p.rep, p.norm.is_some() as usize].map(|v| v as i32);
-    let eps = p.norm.unwrap_or(0.0);
     // The output's element type: float32 when normed, else the input's.
     macro_rules! run {
         ($ty:ty, $out:ty, $name:expr) => {{
@@ -757,14 +763,8 @@ pub fn heads_bwd(
     p: &Heads,
 ) -> Result<CudaStorage> {
     let dev = x.device().clone();
-    let cfg = LaunchConfig {
-        grid_dim: ((rows * p.heads).div_ceil(8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let (cfg, ints, eps) = heads_launch(rows, p);
     let (xs, rows_i, off, c_i) = (xs as i64, rows as i64, p.off as i32, c as i32);
-    let ints = [p.heads, p.d, p.rep, p.norm.is_some() as usize].map(|v| v as i32);
-    let eps = p.norm.unwrap_or(0.0);
     let (da, db) = contiguous(dy.1, "heads backward gradient")?;
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{

@@ -13,6 +13,12 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+// The sum of x over the 32 lanes of a warp, every lane getting it.
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
 // Sixteen bytes of T, loaded or stored as one access (the caller checks the alignment).
 template <typename T> struct __align__(16) Pack16 {
   T v[16 / sizeof(T)];
@@ -214,7 +220,7 @@ __device__ void gated_rms(const T *__restrict__ x, const T *__restrict__ g, cons
     const float v = to_f(xr[i]);
     ss += v * v;
   }
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  ss = warp_sum(ss);
   const float inv = rsqrtf(ss / n + eps);
   for (int i = lane; i < n; i += 32) {
     const float gv = gated ? to_f(gr[i]) : 0.0f;
@@ -285,10 +291,8 @@ __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const 
         dot += u * wv[e] * xv[e];
       }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-      ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    }
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
     const float inv = rsqrtf(ss / n + eps);
     // mean(u w x^) = inv · dot / n
     const float m = inv * dot / n;
@@ -765,7 +769,7 @@ TILED(32)
 
 // Sum of v over the block; every thread gets the total. `red` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float *red) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  v = warp_sum(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = (blockDim.x + 31) >> 5;
   __syncthreads();
   if (lane == 0) red[warp] = v;
@@ -870,7 +874,7 @@ __device__ void out_norm(const float *__restrict__ x, const T *__restrict__ g, l
     const float v = to_f(from_f<T>(xr[i]));
     ss += v * v;
   }
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  ss = warp_sum(ss);
   const float inv = rsqrtf(ss / n + eps);
   for (int i = lane; i < n; i += 32) {
     float v = to_f(from_f<T>(xr[i])) * inv * w[i];
@@ -1017,10 +1021,8 @@ __device__ void qkv_prep(const T *__restrict__ x, long long xs, float *__restric
     sq += qi * qi;
     sk += ki * ki;
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    sq += __shfl_xor_sync(0xffffffffu, sq, off);
-    sk += __shfl_xor_sync(0xffffffffu, sk, off);
-  }
+  sq = warp_sum(sq);
+  sk = warp_sum(sk);
   const float nq = sqrtf(sq + eps), nk = sqrtf(sk + eps);
   for (int i = lane; i < dk; i += 32) {
     const float qi = to_f(xq[i]) / nq, ki = to_f(xk[i]) / nk;
@@ -1065,7 +1067,7 @@ __device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *
       const float v = to_f(xr[i]);
       ss += v * v;
     }
-    for (int s = 16; s > 0; s >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, s);
+    ss = warp_sum(ss);
     n = sqrtf(ss + eps);
   }
   for (int i = lane; i < d; i += 32) {
@@ -1107,10 +1109,8 @@ __device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const 
     ss += v * v;
     dot += v * grad(i);
   }
-  for (int s = 16; s > 0; s >>= 1) {
-    ss += __shfl_xor_sync(0xffffffffu, ss, s);
-    dot += __shfl_xor_sync(0xffffffffu, dot, s);
-  }
+  ss = warp_sum(ss);
+  dot = warp_sum(dot);
   const float n = sqrtf(ss + eps), yg = dot / n;
   for (int i = lane; i < d; i += 32) out[i] = from_f<T>((grad(i) - to_f(xr[i]) / n * yg) / n);
 }
@@ -1582,11 +1582,6 @@ extern "C" __global__ void __launch_bounds__(256)
   intra_apply(T, kb, dk, c, ys, tile, kc_out + blk * c * dk);
 }
 
-__device__ __forceinline__ float intra_warp_sum(float x) {
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // The backward, recomputing G and T: out = [dk (blocks x c x dk) | dv | dβ | dγ] from dW and
 // kc_sign · dKc (the walk's backward hands over −dKc's product as it comes).
 extern "C" __global__ void __launch_bounds__(256)
@@ -1630,7 +1625,7 @@ extern "C" __global__ void __launch_bounds__(256)
       float dx = 0.0f;
       for (int t = j; t < c; ++t) dx += T[t * INTRA_P + j] * ta[t * INTRA_TP + cc];
       if (col0 + cc < dv) dv_out[(long long)j * dv + col0 + cc] = bet[j] * dx;
-      const float s = intra_warp_sum(dx * tb[j * INTRA_TP + cc]);
+      const float s = warp_sum(dx * tb[j * INTRA_TP + cc]);
       if (cc == 0) dbet[j] += s;
     }
     __syncthreads();
@@ -1705,7 +1700,7 @@ extern "C" __global__ void __launch_bounds__(256)
       dy *= kc_sign;
       for (int s = 0; s < c; ++s) dgk += (M[j * INTRA_P + s] + M[s * INTRA_P + j]) * tb[s * INTRA_TP + cc];
       if (col0 + cc < dk) dk_out[(long long)j * dk + col0 + cc] = ys[j] * dy + dgk;
-      const float s = intra_warp_sum(dy * tb[j * INTRA_TP + cc]);
+      const float s = warp_sum(dy * tb[j * INTRA_TP + cc]);
       if (cc == 0) {
         dbet[j] += __expf(gam[j]) * s;
         dgam[j] += ys[j] * s;
@@ -1886,7 +1881,7 @@ extern "C" __global__ void __launch_bounds__(256)
       float intra = 0.0f, dkey = 0.0f;
       for (int j = 0; j <= t; ++j) intra += ED[t * INTRA_P + j] * ta[j * INTRA_TP + cc];
       for (int s = t; s < c; ++s) dkey += ED[s * INTRA_P + t] * tb[s * INTRA_TP + cc];
-      const float x = intra_warp_sum(inter * tb[t * INTRA_TP + cc]);
+      const float x = warp_sum(inter * tb[t * INTRA_TP + cc]);
       if (cc == 0) dg[t] += scale * x;
       if (r0 + cc < dk) {
         dqk[(long long)t * 2 * dk + r0 + cc] = scale * (inter + intra);
@@ -2158,7 +2153,7 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
     __syncthreads();
     for (int t = warp; t < c; t += blockDim.x / 32) {
-      const float s = intra_warp_sum(X[t * TC_TP + lane] * tb[t * TC_TP + lane]);
+      const float s = warp_sum(X[t * TC_TP + lane] * tb[t * TC_TP + lane]);
       if (lane == 0) dg[t] += scale * s;
     }
     float y[2][4], z[2][4];
@@ -2276,7 +2271,7 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int j = warp; j < c; j += warps) {
       const float dx = X[j * TC_TP + lane];
       if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
-      const float s = intra_warp_sum(dx * tb[j * TC_TP + lane]);
+      const float s = warp_sum(dx * tb[j * TC_TP + lane]);
       if (lane == 0) dbet[j] += s;
     }
     __syncthreads();
@@ -2354,7 +2349,7 @@ extern "C" __global__ void __launch_bounds__(256)
     });
     __syncthreads();
     for (int j = warp; j < c; j += warps) {
-      const float s = intra_warp_sum(X[j * TC_TP + lane] * tb[j * TC_TP + lane]);
+      const float s = warp_sum(X[j * TC_TP + lane] * tb[j * TC_TP + lane]);
       if (lane == 0) {
         dbet[j] += __expf(gam[j]) * s;
         dgam[j] += ys[j] * s;
@@ -2558,7 +2553,7 @@ extern "C" __global__ void __launch_bounds__(256)
     // da: S_i ∘ G_{i+1} summed over the tile's columns, a row per warp at a time
     for (int r = warp; r < dk; r += warps) {
       const float x = col0 + lane < dv ? si[(long long)r * dv + col0 + lane] * G[r * TC_SW + lane] : 0.0f;
-      const float sum = intra_warp_sum(x);
+      const float sum = warp_sum(x);
       if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
     }
     // G's update: diag(a) G + gS_i, less Kcᵀ dU below
