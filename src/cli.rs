@@ -412,6 +412,11 @@ pub struct RecoveryArgs {
     /// recomputed), all (the least memory), none (the most).
     #[arg(long, value_enum, default_value_t = Recompute::Auto)]
     pub recompute: Recompute,
+    /// Device memory a training step may use under --recompute auto (e.g. 45GiB): blocks keep
+    /// their activations only while the step, recomputing the rest, stays within it. Default:
+    /// the device's memory.
+    #[arg(long, value_name = "SIZE", value_parser = crate::stream::parse_size)]
+    pub train_memory: Option<u64>,
 }
 
 /// Which blocks a training step recomputes in its backward (see `RecoveryArgs::recompute`).

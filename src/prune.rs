@@ -138,6 +138,7 @@ fn recovery_checks(args: &PruneArgs, plan: &Plan, ckpt: &Checkpoint, layout: &St
         }
         return Ok(false);
     }
+    crate::recover::check_flags(&args.recovery)?;
     if args.recovery.save_adapters {
         bail!("--save-adapters with --recover: the adapters apply to the pruned checkpoint, which --recover does not keep; run `statecut prune`, then `statecut recover --save-adapters`");
     }

@@ -244,6 +244,8 @@ fn bad_input_fails_cleanly() {
         (vec!["--train", "lora:no_such_tensor", "--steps", "1"], "no_such_tensor"),
         (vec!["--train", "full:embeddings", "--steps", "1"], "embeddings"),
         (vec!["--resume", "--steps", "1"], "no saved training state"),
+        (vec!["--train-memory", "45GiB", "--recompute", "all", "--steps", "1"], "--train-memory bounds"),
+        (vec!["--train-memory", "lots", "--steps", "1"], "--train-memory"),
         // Weights blown up by an absurd rate: every step is skipped, then the run stops.
         (
             vec!["--lr", "1e6", "--warmup", "0", "--max-bad-steps", "2", "--steps", "12"],

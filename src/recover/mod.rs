@@ -124,6 +124,14 @@ pub fn run_after_prune(args: &RecoverArgs, from: FromPrune, quiet: bool) -> Resu
     Job::prepare(args, Some(from), quiet)?.execute(quiet)
 }
 
+/// Recovery flags that contradict each other (checked before `prune --recover` prunes, too).
+pub fn check_flags(r: &crate::cli::RecoveryArgs) -> Result<()> {
+    if r.train_memory.is_some() && r.recompute != crate::cli::Recompute::Auto {
+        bail!("--train-memory bounds what --recompute auto keeps; drop it, or use --recompute auto");
+    }
+    Ok(())
+}
+
 fn steps_of(args: &RecoverArgs) -> usize {
     let per_step = (args.batch_size * args.recipe.grad_accum * args.seqlen) as u64;
     match (args.recipe.steps, args.recipe.tokens) {
@@ -140,7 +148,7 @@ fn command_of(args: &RecoverArgs, steps: usize) -> String {
         "statecut recover -m {} --teacher {} --data {} -o {} --steps {steps} --batch-size {} --seqlen {} --grad-accum {} --lora-rank {} --lora-alpha {} --lr {} --min-lr-ratio {} --warmup {} --weight-decay {} --clip {} --kd-temperature {} --kd-weight {} --lm-weight {} --train {} --seed {} --recompute {}",
         a.model.model, a.teacher, a.data, a.output.display(), a.batch_size, a.seqlen, a.recipe.grad_accum, a.recipe.lora_rank, a.recipe.lora_alpha, a.recipe.lr, a.recipe.min_lr_ratio, a.recipe.warmup, a.recipe.weight_decay, a.recipe.clip, a.recipe.kd_temperature, a.recipe.kd_weight, a.recipe.lm_weight, a.recipe.train, a.seed,
         clap::ValueEnum::to_possible_value(&a.recipe.recompute).map_or_else(String::new, |v| v.get_name().to_string())
-    )
+    ) + &a.recipe.train_memory.map_or_else(String::new, |b| format!(" --train-memory {b}"))
 }
 
 impl<'a> Job<'a> {
@@ -150,6 +158,7 @@ impl<'a> Job<'a> {
         let family = family_for(&student.ckpt)?;
         let plan = plan::plan(&student.ckpt, &student.layout, &args.recipe.train)?;
         let steps = steps_of(args);
+        check_flags(&args.recipe)?;
         crate::guard::check_output("-o", &args.output, &teacher.ckpt.dir, &teacher.ckpt.files)?;
         let state_path = state::path_for(&args.output);
         if args.resume && !state_path.exists() {
@@ -321,7 +330,8 @@ impl<'a> Job<'a> {
         let train_start = Instant::now();
         let first = progress.step;
         let mut bad_run = 0;
-        let pass = stages::Pass::new(&student, &teacher, &kd, args.recipe.recompute);
+        let pass = stages::Pass::new(&student, &teacher, &kd, args.recipe.recompute)
+            .within(args.recipe.train_memory.map(|b| b as usize));
         let mut told_fallback = false;
         let last = args.stop_after.map_or(self.steps, |s| s.min(self.steps));
         while progress.step < last {
@@ -463,6 +473,15 @@ impl<'a> Job<'a> {
             }
         }
         let (peak, _) = crate::stream::peak_memory(&device);
+        if let (Some(p), Some(b)) = (peak, args.recipe.train_memory) {
+            if p > b && !quiet {
+                eprintln!(
+                    "warning: the run peaked at {:.1} GiB, above --train-memory ({:.1} GiB): the weights and a step recomputing every block need that much; lower --batch-size (with --grad-accum) to fit",
+                    p as f64 / (1u64 << 30) as f64,
+                    b as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
         let report = RecoverReport {
             tool: "statecut",
             version: env!("CARGO_PKG_VERSION"),

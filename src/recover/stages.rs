@@ -81,12 +81,30 @@ pub struct Pass<'a> {
     sizes: std::cell::RefCell<Vec<Option<Need>>>,
     /// Whether a pass ran out of memory with blocks kept (then every block is recomputed).
     fell_back: std::cell::Cell<bool>,
+    /// Device memory (bytes) a step may use under [`Recompute::Auto`] (`None`: the device's).
+    budget: Option<usize>,
 }
 
 impl<'a> Pass<'a> {
     pub fn new(student: &'a Resident, teacher: &'a Resident, kd: &'a KdConfig, recompute: Recompute) -> Self {
         let sizes = std::cell::RefCell::new(vec![None; student.blocks.len()]);
-        Self { student, teacher, kd, recompute, kept: Default::default(), sizes, fell_back: Default::default() }
+        Self {
+            student,
+            teacher,
+            kd,
+            recompute,
+            kept: Default::default(),
+            sizes,
+            fell_back: Default::default(),
+            budget: None,
+        }
+    }
+
+    /// Bound what [`Recompute::Auto`] keeps so that a step stays within `budget` bytes of device
+    /// memory (`None`: the device's).
+    pub fn within(mut self, budget: Option<usize>) -> Self {
+        self.budget = budget;
+        self
     }
 
     /// Whether a pass ran out of device memory with blocks kept, so that every block is
@@ -150,7 +168,7 @@ impl<'a> Pass<'a> {
         let t_hidden = if cfg.kd_weight > 0.0 { Some(final_hidden(teacher, ids)?) } else { None };
         // Forward, keeping each block's input, and a block's whole graph where `keep` allows.
         let mut h = layered::embed(&*student.layers, &student.embed, ids, &mut NoObserver)?.detach();
-        let mut keep = Keep::new(policy, student.layers.device(), self.sizes.borrow().clone());
+        let mut keep = Keep::new(policy, student.layers.device(), self.sizes.borrow().clone(), self.budget);
         let mut saved = Vec::with_capacity(student.blocks.len());
         for (i, blk) in student.blocks.iter().enumerate() {
             let at = |e: anyhow::Error| e.context(format!("layer {i}"));
@@ -270,15 +288,19 @@ struct Need {
 /// none, so it measures them all). From then on the forward keeps blocks in order while the
 /// free memory read before the first block, less the graphs kept so far, still leaves room for
 /// the rest of the step: the loss's chunks of logits, the most any block needs recomputed and
-/// differentiated, and a twentieth of the device. Blocks are measured one by one because they
+/// differentiated, and a twentieth of the device (of the budget, under `--train-memory`, which
+/// also counts as free only what it leaves above the memory in use). Blocks are measured one by one because they
 /// differ: a hybrid's attention blocks hold their [T, T] scores, many times a linear-attention
 /// block's graph, and their backward needs more again. The forward waits on the device once,
 /// before the first block.
 struct Keep {
     policy: Recompute,
     device: candle_core::Device,
-    /// Device memory in bytes, and what each block needs where measured.
+    /// Device memory in bytes (or the budget, where smaller), and what each block needs where
+    /// measured.
     total: usize,
+    /// The device's memory where `total` is a budget.
+    device_total: usize,
     sizes: Vec<Option<Need>>,
     /// The most any block needs recomputed and differentiated (`None` while one is unmeasured).
     peak: Option<usize>,
@@ -309,13 +331,15 @@ impl Room {
 }
 
 impl Keep {
-    fn new(policy: Recompute, device: &candle_core::Device, sizes: Vec<Option<Need>>) -> Self {
-        let total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
+    fn new(policy: Recompute, device: &candle_core::Device, sizes: Vec<Option<Need>>, budget: Option<usize>) -> Self {
+        let device_total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
+        let total = budget.map_or(device_total, |b| b.min(device_total));
         let peak = sizes.iter().try_fold(0, |m, s| s.map(|s| m.max(s.peak)));
         let mut keep = Self {
             policy,
             device: device.clone(),
             total,
+            device_total,
             sizes,
             peak,
             before: None,
@@ -358,14 +382,21 @@ impl Keep {
         self.policy == Recompute::Auto && !self.device.is_cpu()
     }
 
-    /// Free device memory after the queued work (`None` on the CPU).
+    /// Free device memory after the queued work, within the budget (`None` on the CPU).
     fn free(&self) -> Option<usize> {
         if self.device.is_cpu() {
             return None;
         }
         self.device.synchronize().ok()?;
-        crate::device::free_memory(&self.device)
+        let free = crate::device::free_memory(&self.device)?;
+        Some(within_budget(free, self.device_total, self.total))
     }
+}
+
+/// What of `free` bytes a step may still take when the device holds `device_total` and the
+/// step may use `limit` in all: in use now is what is not free.
+fn within_budget(free: usize, device_total: usize, limit: usize) -> usize {
+    free.min(limit.saturating_sub(device_total.saturating_sub(free)))
 }
 
 #[cfg(test)]
@@ -414,6 +445,17 @@ mod tests {
             );
             assert_eq!(kept.iter().any(|&k| k), before * gib >= 2 * gib + 43 * gib, "before {before}: {kept:?}");
         }
+    }
+
+    /// A budget counts as free only what it leaves above the memory in use, and never more than
+    /// the device has free.
+    #[test]
+    fn a_budget_bounds_the_free_memory() {
+        let gib = 1usize << 30;
+        assert_eq!(within_budget(120 * gib, 140 * gib, 140 * gib), 120 * gib);
+        assert_eq!(within_budget(120 * gib, 140 * gib, 45 * gib), 25 * gib);
+        assert_eq!(within_budget(120 * gib, 140 * gib, 10 * gib), 0, "a budget below what is in use");
+        assert_eq!(within_budget(30 * gib, 140 * gib, 200 * gib), 30 * gib);
     }
 
     /// The device's out-of-memory error is recognised under the context a pass adds to it.
