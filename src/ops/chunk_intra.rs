@@ -5,7 +5,7 @@
 //! log decay γ [C] (zeros without a gate):
 //!   A_tj = −β_t e^{γ_t − γ_j} (k_t · k_j) for j < t, else 0;   T = (I − A)⁻¹
 //!   X = diag(β) V,   Y = diag(β e^γ) K,   W = T X,   Kc = T Y
-//! T is solved by forward substitution in float32 (as fla's `solve_tril`) and never leaves the op:
+//! T is solved in float32 (on the GPU by 16 x 16 blocks, as fla's `solve_tril`) and never leaves the op:
 //! the backward recomputes it from K, β and γ, so a pass keeps only the op's inputs.
 //!
 //! The backward, from dW and dKc:

@@ -1520,17 +1520,49 @@ __device__ void intra_gram(const float *k, int c, int dk, float *tile, float *G)
     for (int s = 0; s < 4; ++s) G[(4 * bi + q) * INTRA_P + 4 * bj + s] = acc[q][s];
 }
 
-// T = (I − A)⁻¹ by forward substitution, one thread per column (as fla's `solve_tril`): column
-// `col` solves x_i = [i = col] + Σ_{col≤j<i} A_ij x_j on its own.
+// T = (I − A)⁻¹ for A strictly lower triangular with rows c.. zero, by 16 x 16 blocks (as fla's
+// `solve_tril` merges its blocks): forward substitution inside the four diagonal blocks (one
+// thread per block column: chains of at most 15 terms, where one thread per column of the
+// whole 64 x 64 ran chains of up to 2016 while the other warps of the block waited), then
+// block row by block row T_ij = T_ii Σ_{j≤k<i} A_ik T_kj, each element by one thread. R_ij is
+// held in T's block (j, i), above the diagonal, until T_ii multiplies it; those blocks are
+// zeroed last. Every thread of the block must call it.
+#define INV_B 16
 __device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) {
-  const int col = threadIdx.x;
-  if (col < INTRA_C)
-    for (int i = 0; i < INTRA_C; ++i) {
+  (void)c;  // rows c.. of A are zero, so those of T are the identity's
+  const int tid = threadIdx.x;
+  if (tid < INTRA_C) {
+    const int o = (tid / INV_B) * INV_B, col = tid % INV_B;
+    for (int i = 0; i < INV_B; ++i) {
       float x = i == col ? 1.0f : 0.0f;
-      if (i < c && col < c)
-        for (int j = col; j < i; ++j) x += A[i * ld + j] * T[j * ld + col];
-      T[i * ld + col] = x;
+      for (int j = col; j < i; ++j) x += A[(o + i) * ld + o + j] * T[(o + j) * ld + o + col];
+      T[(o + i) * ld + o + col] = x;
     }
+  }
+  __syncthreads();
+  for (int bi = 1; bi < INTRA_C / INV_B; ++bi) {
+    const int n = bi * INV_B * INV_B;
+    for (int e = tid; e < n; e += blockDim.x) {
+      const int bj = e / (INV_B * INV_B), r = e / INV_B % INV_B, s = e % INV_B;
+      const float *a = A + (bi * INV_B + r) * ld;
+      float x = 0.0f;
+      for (int m = bj * INV_B; m < bi * INV_B; ++m) x += a[m] * T[m * ld + bj * INV_B + s];
+      T[(bj * INV_B + r) * ld + bi * INV_B + s] = x;
+    }
+    __syncthreads();
+    for (int e = tid; e < n; e += blockDim.x) {
+      const int bj = e / (INV_B * INV_B), r = e / INV_B % INV_B, s = e % INV_B;
+      const float *t = T + (bi * INV_B + r) * ld + bi * INV_B;
+      float x = 0.0f;
+      for (int m = 0; m <= r; ++m) x += t[m] * T[(bj * INV_B + m) * ld + bi * INV_B + s];
+      T[(bi * INV_B + r) * ld + bj * INV_B + s] = x;
+    }
+    __syncthreads();
+  }
+  for (int e = tid; e < INTRA_C * INTRA_C; e += blockDim.x) {
+    const int i = e / INTRA_C, j = e % INTRA_C;
+    if (j / INV_B > i / INV_B) T[i * ld + j] = 0.0f;
+  }
 }
 
 // A_tj = −β_t e^{γ_t − γ_j} G_tj below the diagonal, 0 elsewhere.
