@@ -725,6 +725,23 @@ fn conv_and_norm_gradients_match_cpu() {
             let out = [3, 70, heads * rep, d];
             compare(&format!("heads d {d} norm {norm:?}"), dtype, &[rand(&[3, 70, 200], 22)], &rand(&out, 23), &f);
         }
+        // The three parts with one gradient edge into the rows (q, k at a pruned width, two
+        // value heads per key head, v copied), their outputs flattened side by side.
+        let grouped = |t: &[Tensor], dt: DType| {
+            use statecut::ops::prep::Heads;
+            let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
+            let (q, k, v) = statecut::ops::prep::heads_qkv(
+                &rows,
+                Heads { off: 0, heads: 2, d: 48, rep: 2, norm: Some(1e-6) },
+                Heads { off: 96, heads: 2, d: 48, rep: 2, norm: Some(1e-6) },
+                Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None },
+            )
+            .unwrap();
+            let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_from(2).unwrap();
+            Tensor::cat(&[flat(q), flat(k), flat(v)], 2).unwrap()
+        };
+        let out = [3, 70, 2 * 192 + 4];
+        compare("grouped heads", dtype, &[rand(&[3, 70, 200], 24)], &rand(&out, 25), &grouped);
         // A trained projection (recovery's adapted weights): the input and the weight trained.
         let trained = |t: &[Tensor], dt: DType| {
             let lin = statecut::layers::linear::Linear::new(t[1].to_dtype(dt).unwrap(), None);

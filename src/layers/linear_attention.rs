@@ -266,17 +266,16 @@ impl LinearAttention {
             let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
             prep.run(&mixed)?
         } else if !dev.is_cpu() {
-            // With gradients on a GPU: one op per part, each reading its columns in place and
-            // writing d(mixed) in one pass (see `ops::prep::Heads`).
-            let part = |off: usize, heads: usize, w: usize, rep: usize, norm: Option<f32>| {
-                crate::ops::prep::Heads { off, heads, d: w, rep, norm }.run(&mixed)
-            };
+            // With gradients on a GPU: one op per part, each reading its columns in place, their
+            // backwards writing one d(mixed) (see `ops::prep::heads_qkv`).
+            use crate::ops::prep::Heads;
             let eps = Some(L2_EPS as f32);
-            (
-                part(0, d.heads, d.dk, d.r(), eps)?,
-                part(kd, d.heads, d.dk, d.r(), eps)?,
-                part(2 * kd, d.v_heads, d.dv, 1, None)?,
-            )
+            crate::ops::prep::heads_qkv(
+                &mixed,
+                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
+                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
+                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None },
+            )?
         } else {
             // Cast from the column slice, then split heads: one pass, not a copy and a cast.
             let head_f32 = |off: usize| mixed.narrow(2, off, kd)?.to_dtype(f32)?.reshape((b, t, d.heads, d.dk));

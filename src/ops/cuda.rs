@@ -763,13 +763,35 @@ pub fn heads_bwd(
     p: &Heads,
 ) -> Result<CudaStorage> {
     let dev = x.device().clone();
+    let mut out = match x.dtype() {
+        DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(rows * c)?, dev.clone()),
+        DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::bf16>(rows * c)?, dev.clone()),
+        DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::f16>(rows * c)?, dev.clone()),
+        dt => candle_core::bail!("heads backward: unsupported dtype {dt:?}"),
+    };
+    heads_bwd_into(&mut out, 0, x, (offset, xs), (rows, c), dy, p)?;
+    Ok(out)
+}
+
+/// `heads_bwd` in kernels.cu into `out` from element `at` on, [rows, c] in x's dtype: the heads'
+/// columns are written, the others left as they are.
+pub fn heads_bwd_into(
+    out: &mut CudaStorage,
+    at: usize,
+    x: &CudaStorage,
+    (offset, xs): (usize, usize),
+    (rows, c): (usize, usize),
+    dy: (&CudaStorage, &Layout),
+    p: &Heads,
+) -> Result<()> {
+    let dev = x.device().clone();
     let (cfg, ints, eps) = heads_launch(rows, p);
     let (xs, rows_i, off, c_i) = (xs as i64, rows as i64, p.off as i32, c as i32);
     let (da, db) = contiguous(dy.1, "heads backward gradient")?;
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = from::<$ty>(x, offset)?;
-            let out = dev.alloc_zeros::<$ty>(rows * c)?;
+            let mut o = out.as_cuda_slice_mut::<$ty>()?.slice_mut(at..at + rows * c);
             let func = function(&dev, $name)?;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
@@ -785,17 +807,17 @@ pub fn heads_bwd(
                     builder.arg(&gt);
                 }
             }
-            builder.arg(&out).arg(&rows_i).arg(&c_i);
+            builder.arg(&mut o).arg(&rows_i).arg(&c_i);
             for v in &ints {
                 builder.arg(v);
             }
             builder.arg(&eps);
-            // SAFETY: argument list matches `heads_bwd_*` in kernels.cu.
+            // SAFETY: argument list matches `heads_bwd_*` in kernels.cu; `o` holds rows x c.
             unsafe { builder.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    Ok(per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch))
+    per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch);
+    Ok(())
 }
 
 /// A tensor's storage and layout as a CUDA one, or an error naming `what`.

@@ -6,6 +6,7 @@
 pub use super::launch::{Heads, QkvPrep};
 use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use std::sync::{Arc, Mutex};
 
 impl QkvPrep {
     /// Floats written for `rows` rows: q and k [rows, Hv, dk], v [rows, Hv, dv].
@@ -99,11 +100,16 @@ impl Heads {
     /// [.., heads·rep, d] from x [.., C] (rows of one stride): float32 when normed, else x's
     /// dtype; differentiable in x.
     pub fn run(&self, x: &Tensor) -> Result<Tensor> {
-        let c = x.dims().last().copied().unwrap_or(0);
+        self.check(x.dims().last().copied().unwrap_or(0))?;
+        super::as_rows(x)?.apply_op1(*self)
+    }
+
+    /// An error unless the heads fit rows of `c` columns.
+    fn check(&self, c: usize) -> Result<()> {
         if self.heads == 0 || self.d == 0 || self.rep == 0 || self.off + self.heads * self.d > c {
             candle_core::bail!("heads: {} x {} from column {} do not fit rows of {c}", self.heads, self.d, self.off);
         }
-        super::as_rows(x)?.apply_op1(*self)
+        Ok(())
     }
 
     fn out_shape(&self, l: &Layout) -> Shape {
@@ -148,8 +154,14 @@ impl Heads {
 
     /// d(x) [rows, width] from the outputs' gradient g (the module's formulas).
     fn bwd_cpu<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G]) -> Vec<T> {
-        let (h, d, rep) = (self.heads, self.d, self.rep);
         let mut out = vec![T::from_f64(0.0); r.rows * r.width];
+        self.bwd_cpu_into(x, r, g, &mut out);
+        out
+    }
+
+    /// [`Self::bwd_cpu`] into the heads' columns of `out` [rows, width], the others untouched.
+    fn bwd_cpu_into<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G], out: &mut [T]) {
+        let (h, d, rep) = (self.heads, self.d, self.rep);
         for row in 0..r.rows {
             for kh in 0..h {
                 let xs: Vec<f32> = r.row(x, row)[self.off + kh * d..][..d].iter().map(|v| v.to_f64() as f32).collect();
@@ -169,7 +181,6 @@ impl Heads {
                 }
             }
         }
-        out
     }
 }
 
@@ -243,6 +254,178 @@ impl CustomOp2 for HeadsBwd {
         let r = Rows::of(xl, "heads backward")?;
         let out = super::cuda::heads_bwd(x, (r.offset, r.stride), (r.rows, r.width), (g, gl), &self.0)?;
         Ok((out, xl.shape().clone()))
+    }
+}
+
+/// q, k and v of the recurrence from the rows x [.., C] with one gradient edge into x: each
+/// part is a [`Heads`] op, and their backwards write their columns of one d(x). candle's backward
+/// adds each input's gradient into a fresh full-size buffer, so three parts with a gradient of
+/// x each cost three [rows, C] adds, each gradient zero outside its part's columns.
+///
+/// k's op also takes q's output and v's takes k's (inputs they do not read), so that the
+/// backward, which runs an op only after every op that reads its output, runs v's, then k's,
+/// then q's: v's starts d(x) (zeros), k's writes into it, and both hand candle no gradient of x;
+/// q's writes its columns and hands over the whole of d(x). The three outputs must all reach the
+/// loss (the recurrence reads them together): an output that reaches it only through the next
+/// part's unread input would get no gradient, which candle's backward refuses.
+pub fn heads_qkv(x: &Tensor, q: Heads, k: Heads, v: Heads) -> Result<(Tensor, Tensor, Tensor)> {
+    let c = x.dims().last().copied().unwrap_or(0);
+    for p in [&q, &k, &v] {
+        p.check(c)?;
+    }
+    let x = super::as_rows(x)?;
+    let slot: Slot = Arc::new(Mutex::new(None));
+    let tq = x.apply_op1(Part { heads: q, slot: slot.clone(), opens: false })?;
+    let tk = x.apply_op2(&tq, Part { heads: k, slot: slot.clone(), opens: false })?;
+    let tv = x.apply_op2(&tk, Part { heads: v, slot, opens: true })?;
+    Ok((tq, tk, tv))
+}
+
+/// The d(x) that [`heads_qkv`]'s parts write into, between their backwards.
+type Slot = Arc<Mutex<Option<Tensor>>>;
+
+/// One part of [`heads_qkv`]: a [`Heads`] whose backward writes into the shared d(x); `opens`:
+/// the part whose backward runs first (it starts d(x) afresh).
+struct Part {
+    heads: Heads,
+    slot: Slot,
+    opens: bool,
+}
+
+impl Part {
+    /// Write this part's columns of d(x) from the output's gradient into the shared buffer.
+    fn deposit(&self, x: &Tensor, grad: &Tensor) -> Result<()> {
+        let want = if self.heads.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
+        let g = grad.to_dtype(want)?.contiguous()?;
+        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
+        let buf = match slot.take() {
+            Some(b) if !self.opens => b,
+            _ => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
+        };
+        buf.inplace_op3(x, &g, &HeadsInto(self.heads))?;
+        *slot = Some(buf);
+        Ok(())
+    }
+
+    fn fwd_cpu(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.heads.cpu_fwd(x, l)
+    }
+}
+
+impl CustomOp1 for Part {
+    fn name(&self) -> &'static str {
+        "statecut-heads-part"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu(x, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.heads.cuda_fwd(x, l)
+    }
+
+    /// The last backward of the three: hands over d(x) whole.
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        self.deposit(x, grad)?;
+        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
+        Ok(slot.take())
+    }
+}
+
+impl CustomOp2 for Part {
+    fn name(&self) -> &'static str {
+        "statecut-heads-part"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fwd_cpu(x, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        l: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.heads.cuda_fwd(x, l)
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        self.deposit(x, grad)?;
+        Ok((None, None))
+    }
+}
+
+/// [`Heads`]' backward written into the heads' columns of a d(x) buffer (contiguous, x's
+/// shape and dtype), over (x, the outputs' gradient).
+struct HeadsInto(Heads);
+
+impl candle_core::InplaceOp3 for HeadsInto {
+    fn name(&self) -> &'static str {
+        "statecut-heads-bwd-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        out: &mut CpuStorage,
+        ol: &Layout,
+        x: &CpuStorage,
+        xl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let r = Rows::of(xl, "heads backward")?;
+        let (a, b) = super::contiguous(gl, "heads backward gradient")?;
+        let (oa, ob) = super::contiguous(ol, "heads backward buffer")?;
+        if ob - oa != r.rows * r.width {
+            candle_core::bail!("heads backward: a buffer of {} for {} x {}", ob - oa, r.rows, r.width);
+        }
+        macro_rules! go {
+            ($x:expr, $out:expr) => {
+                match g {
+                    CpuStorage::F32(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
+                    CpuStorage::BF16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
+                    CpuStorage::F16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
+                    _ => candle_core::bail!("heads backward: unsupported dtype"),
+                }
+            };
+        }
+        match (x, out) {
+            (CpuStorage::F32(x), CpuStorage::F32(o)) => go!(x, o),
+            (CpuStorage::BF16(x), CpuStorage::BF16(o)) => go!(x, o),
+            (CpuStorage::F16(x), CpuStorage::F16(o)) => go!(x, o),
+            _ => candle_core::bail!("heads backward: the buffer's dtype is not the input's"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        out: &mut candle_core::CudaStorage,
+        ol: &Layout,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        use candle_core::backend::BackendStorage;
+        let r = Rows::of(xl, "heads backward")?;
+        let (oa, ob) = super::contiguous(ol, "heads backward buffer")?;
+        if ob - oa != r.rows * r.width || out.dtype() != x.dtype() {
+            candle_core::bail!(
+                "heads backward: a buffer of {} {:?} for {} x {}",
+                ob - oa,
+                out.dtype(),
+                r.rows,
+                r.width
+            );
+        }
+        super::cuda::heads_bwd_into(out, oa, x, (r.offset, r.stride), (r.rows, r.width), (g, gl), &self.0)
     }
 }
 
@@ -386,6 +569,47 @@ mod tests {
             }
         }
         assert!(Heads { off: 20, heads: 2, d: 6, rep: 1, norm: None }.run(&wide).is_err());
+        Ok(())
+    }
+
+    /// The three parts with one gradient edge give the outputs and the gradient of the separate
+    /// ops (columns outside the parts zero), on a column slice, in float32 and bf16, and again in
+    /// a second backward over the same graph.
+    #[test]
+    fn grouped_heads_match_separate_ones() -> Result<()> {
+        let dev = Device::Cpu;
+        let wide = Tensor::randn(0f32, 1.0, (2, 5, 40), &dev)?;
+        let (q, k, v) = (
+            Heads { off: 0, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 12, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 24, heads: 4, d: 3, rep: 1, norm: None },
+        );
+        for dtype in [DType::F32, DType::BF16] {
+            let x = candle_core::Var::from_tensor(&wide.to_dtype(dtype)?)?;
+            let rows = x.as_tensor().narrow(2, 1, 38)?;
+            let grouped = heads_qkv(&rows, q, k, v)?;
+            let separate = (q.run(&rows)?, k.run(&rows)?, v.run(&rows)?);
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let w: Vec<Tensor> = [&separate.0, &separate.1, &separate.2]
+                .iter()
+                .map(|t| Tensor::randn(0f32, 1.0, t.dims(), &dev))
+                .collect::<Result<_>>()?;
+            let grad = |(a, b, c): &(Tensor, Tensor, Tensor)| -> Result<Tensor> {
+                let loss = ((f(a) * &w[0])?.sum_all()? + (f(b) * &w[1])?.sum_all()?)?;
+                let g = (loss + (f(c) * &w[2])?.sum_all()?)?.backward()?;
+                Ok(f(g.get(x.as_tensor()).expect("a gradient")))
+            };
+            for (a, b) in [(&grouped.0, &separate.0), (&grouped.1, &separate.1), (&grouped.2, &separate.2)] {
+                assert_eq!(max_diff(&f(a), &f(b)), 0.0, "outputs ({dtype:?})");
+            }
+            let want = grad(&separate)?;
+            for pass in 0..2 {
+                let got = grad(&grouped)?;
+                assert!(max_diff(&got, &want) < 1e-6, "gradient, backward {pass} ({dtype:?})");
+            }
+            assert_eq!(want.narrow(2, 1 + 36, 3)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        }
+        assert!(heads_qkv(&wide, q, k, Heads { off: 30, heads: 4, d: 3, rep: 1, norm: None }).is_err());
         Ok(())
     }
 }
