@@ -73,20 +73,33 @@ fn check_dir(name: &str, dir: &std::path::Path) {
     assert!(golden_err < 1e-3, "{name}: CPU reference drifted from the golden ({golden_err:.3e})");
 
     let bf16 = load(&ckpt, &gpu, DType::BF16, false);
-    let ours = at_golden(flat(&bf16.forward(&ids_gpu, &mut NoObserver).unwrap()));
-    let err = common::rel_err(&ours, &at_golden(reference.clone()));
     // The upstream library's own bf16 forward (its kernels for the shared models, transformers'
     // bf16 CPU forward for the fixtures) sets the scale of an acceptable bf16 error.
     let upstream = golden
         .get("logits_bf16_kernel")
         .or(golden.get("logits_bf16"))
         .map(|up| common::rel_err(&flat(up), &flat(&golden["logits"])));
-    match upstream {
-        Some(upstream) => {
-            eprintln!("{name}: cuda bf16 vs cpu f32 logits relative error {err:.3e} (upstream bf16: {upstream:.3e})");
-            assert!(err < 3.0 * upstream.max(1e-3), "{name}: cuda bf16 logits differ from float32 by {err:.3e}");
+    // The default kernels (the fused one at these lengths), then the chunk kernels on tensor
+    // cores that long sequences take.
+    for (label, kernel) in [("", None), (" on the chunk kernels", Some(Kernel::ChunkedKernels))] {
+        let run = || bf16.forward(&ids_gpu, &mut NoObserver);
+        let logits = match kernel {
+            Some(k) => Kernel::scoped(k, run),
+            None => run(),
+        };
+        let err = common::rel_err(&at_golden(flat(&logits.unwrap())), &at_golden(reference.clone()));
+        match upstream {
+            Some(upstream) => {
+                eprintln!("{name}: cuda bf16{label} vs cpu f32 logits relative error {err:.3e} (upstream bf16: {upstream:.3e})");
+                assert!(
+                    err < 3.0 * upstream.max(1e-3),
+                    "{name}: cuda bf16 logits{label} differ from float32 by {err:.3e}"
+                );
+            }
+            None => eprintln!(
+                "{name}: cuda bf16{label} vs cpu f32 logits relative error {err:.3e} (no bf16 golden to bound it)"
+            ),
         }
-        None => eprintln!("{name}: cuda bf16 vs cpu f32 logits relative error {err:.3e} (no bf16 golden to bound it)"),
     }
 
     // Step-by-step decoding on the GPU reproduces the GPU's full forward.
@@ -115,6 +128,16 @@ fn check_dir(name: &str, dir: &std::path::Path) {
     let bound = 3.0 * upstream.unwrap_or(1e-2).max(1e-3);
     eprintln!("{name}: cuda bf16 decode (batch 2) vs f32 full forward relative error {err:.3e} (bound {bound:.3e})");
     assert!(err < bound, "{name}: cuda bf16 decode differs from the float32 forward by {err:.3e}");
+    // A prompt on the chunk kernels hands the fused decoding step its state and conv history.
+    let mut cache = DecodeCache::default();
+    Kernel::scoped(Kernel::ChunkedKernels, || bf16.forward_cached(&two.narrow(1, 0, 20).unwrap(), &mut cache)).unwrap();
+    let mut after_chunks = Vec::new();
+    for t in 20..24 {
+        after_chunks.push(bf16.forward_cached(&two.narrow(1, t, 1).unwrap(), &mut cache).unwrap());
+    }
+    let err = common::rel_err(&flat(&Tensor::cat(&after_chunks, 1).unwrap()), &flat(&full.narrow(1, 20, 4).unwrap()));
+    eprintln!("{name}: cuda bf16 decode after a chunk-kernel prompt vs f32 full forward relative error {err:.3e}");
+    assert!(err < bound, "{name}: cuda bf16 decode after a chunk-kernel prompt differs by {err:.3e}");
     // The same steps replayed from a CUDA graph give the eager steps' logits where every layer
     // is recurrent (the fused delta-rule step and Mamba-2's general one, both in place);
     // elsewhere the decoder refuses, saying why.

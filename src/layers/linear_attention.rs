@@ -262,7 +262,21 @@ impl LinearAttention {
                 (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(&neg_a.get()?)?))
             }
         };
-        let (q, k, v) = if fused {
+        // Long sequences take the chunk kernels, on tensor cores with v in its 16-bit dtype
+        // (see `Kernel::choose`); the fused kernel wants every input in float32.
+        let chunks = fused
+            && mixed.dtype() != f32
+            && matches!(self.decay, Decay::None | Decay::PerHead { .. })
+            && crate::ops::delta_rule::Kernel::chunks_without_gradients(dev, (b, t, d.v_heads), d.dk, d.dv);
+        let (q, k, v) = if chunks {
+            use crate::ops::prep::Heads;
+            let eps = Some(L2_EPS as f32);
+            (
+                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps }.run(&mixed)?,
+                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps }.run(&mixed)?,
+                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None }.run(&mixed)?,
+            )
+        } else if fused {
             let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
             prep.run(&mixed)?
         } else if !dev.is_cpu() {
@@ -294,16 +308,25 @@ impl LinearAttention {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        let o = crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?;
+        let o = if chunks {
+            use crate::ops::delta_rule::Kernel;
+            Kernel::scoped(Kernel::ChunkedKernels, || {
+                crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)
+            })?
+        } else {
+            crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?
+        };
         let out_fused = {
             let (weight, _) = self.norm.applied()?;
             let z = p.z.iter().filter(|_| matches!(self.gate, OutputGate::Silu));
             crate::ops::fusable(&[&o, &weight].into_iter().chain(z).collect::<Vec<_>>())
         };
         if out_fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
-            // o is float32 here (v was): rounding, norm and gate in one kernel.
+            // Norm and gate in one kernel, which reads o in float32 (as the fused kernel gives
+            // it; the chunk kernels give it in the values' dtype).
             let norm = self.out_norm(p.z.clone(), x.dtype())?;
-            return Ok(crate::ops::linear(&self.o_proj, &o.contiguous()?.apply_op1_no_bwd(&norm)?)?);
+            let o = o.to_dtype(f32)?.contiguous()?;
+            return Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?);
         }
         let o = o.to_dtype(x.dtype())?;
         let o = match &self.gate {

@@ -23,6 +23,18 @@ const CHUNK: usize = 64;
 /// Widest key dimension the fused CUDA kernel takes (`recurrence` in kernels.cu).
 const MAX_FUSED_DK: usize = 1024;
 
+/// When a delta-rule layer's pass without gradients on a GPU takes the chunk kernels instead of
+/// the fused sequential kernel (with 16-bit values, on tensor cores, and a decay per head or
+/// none): sequences of at least this many tokens...
+pub const CHUNKS_FROM_TOKENS: usize = 512;
+/// ...over at most this many of the fused kernel's blocks (B · H · dv/32). The fused kernel
+/// walks every token in turn, one block per 32 state columns of a head; with fewer blocks than
+/// the GPU has multiprocessors (132 on an H200) it waits on each step, where the chunk kernels
+/// also spread the chunks over blocks. On the H200 (docs/BENCHMARKS.md) one sequence of 2,048
+/// tokens and 16 heads of 128 x 128 took 0.70 ms on the chunk kernels against 1.35 ms, while at
+/// 8 sequences a calibration pass ran faster on the fused kernel.
+pub const CHUNKS_UP_TO_BLOCKS: usize = 128;
+
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     b: usize,
@@ -455,19 +467,12 @@ impl Kernel {
     /// recovery; on the CPU the composed form, whose float64 intra-chunk solve keeps the decay
     /// gradients of strongly decaying heads within 1e-4 of PyTorch's float64 ones, where the
     /// sequential kernel's float32 backward drifts to 1e-3; on GPUs the same form on statecut's
-    /// chunk kernels); otherwise the fused kernel on GPUs and the sequential
-    /// kernel on the CPU, where the per-head loop is exact and fast for the model sizes that run
-    /// there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused` overrides the choice (for
+    /// chunk kernels); otherwise the fused kernel on GPUs (a layer whose long sequences measured
+    /// faster on the chunk kernels asks for them: [`Self::chunks_without_gradients`]) and the
+    /// sequential kernel on the CPU, where the per-head loop is exact and fast for the model
+    /// sizes that run there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused` overrides the choice (for
     /// benchmarks and tests).
     pub fn choose(rec: &Recurrence) -> Kernel {
-        static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
-        let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
-            Ok("chunked") => Some(Kernel::Chunked),
-            Ok("chunked-kernels") => Some(Kernel::ChunkedKernels),
-            Ok("sequential") => Some(Kernel::Sequential),
-            Ok("fused") => Some(Kernel::Fused),
-            _ => None,
-        });
         let tracked = [Some(rec.q), Some(rec.k), Some(rec.v), Some(rec.beta), rec.g, rec.gk, rec.initial]
             .into_iter()
             .flatten()
@@ -478,7 +483,7 @@ impl Kernel {
         // tiles hold up to `MAX_WALK_DK` key rows.
         let walkable = gpu && rec.q.dim(3).is_ok_and(|dk| dk <= super::chunk_walk::MAX_DK);
         let chunked = if walkable { Kernel::ChunkedKernels } else { Kernel::Chunked };
-        let choice = FORCED.with(|f| f.get()).or(from_env).unwrap_or(if tracked {
+        let choice = Self::overridden().unwrap_or(if tracked {
             chunked
         } else if rec.q.device().is_cpu() {
             Kernel::Sequential
@@ -499,6 +504,33 @@ impl Kernel {
         }
     }
 
+    /// The kernel `STATECUT_RECURRENCE` or [`Self::scoped`] asks for, if any.
+    fn overridden() -> Option<Kernel> {
+        static FROM_ENV: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
+        let from_env = *FROM_ENV.get_or_init(|| match std::env::var("STATECUT_RECURRENCE").as_deref() {
+            Ok("chunked") => Some(Kernel::Chunked),
+            Ok("chunked-kernels") => Some(Kernel::ChunkedKernels),
+            Ok("sequential") => Some(Kernel::Sequential),
+            Ok("fused") => Some(Kernel::Fused),
+            _ => None,
+        });
+        FORCED.with(|f| f.get()).or(from_env)
+    }
+
+    /// Whether a delta-rule layer's pass without gradients over `b` sequences of `t` tokens, `h`
+    /// heads with keys `dk` and values `dv` wide, on `device`, should run on the chunk kernels
+    /// (given 16-bit values and no per-channel decay; the layer then hands them its values in
+    /// their own dtype, not widened for the fused kernel, and scopes the recurrence to them):
+    /// long sequences too few to fill the GPU ([`CHUNKS_FROM_TOKENS`], [`CHUNKS_UP_TO_BLOCKS`]),
+    /// unless `STATECUT_RECURRENCE` or [`Self::scoped`] asks for a kernel.
+    pub fn chunks_without_gradients(device: &Device, (b, t, h): (usize, usize, usize), dk: usize, dv: usize) -> bool {
+        let walkable = !device.is_cpu() && dk <= super::chunk_walk::MAX_DK;
+        match Self::overridden() {
+            Some(k) => walkable && k == Kernel::ChunkedKernels,
+            None => walkable && long_and_few((b, t, h), dv),
+        }
+    }
+
     /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).
     pub fn scoped<R>(kernel: Kernel, f: impl FnOnce() -> R) -> R {
         let before = FORCED.with(|c| c.replace(Some(kernel)));
@@ -506,6 +538,12 @@ impl Kernel {
         FORCED.with(|c| c.set(before));
         out
     }
+}
+
+/// Sequences long enough, and few enough to leave the fused kernel short of blocks (see
+/// [`CHUNKS_FROM_TOKENS`]).
+fn long_and_few((b, t, h): (usize, usize, usize), dv: usize) -> bool {
+    t >= CHUNKS_FROM_TOKENS && b * h * dv.div_ceil(32) <= CHUNKS_UP_TO_BLOCKS
 }
 
 thread_local! {
@@ -639,6 +677,19 @@ mod tests {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| offset + scale * (rng.random::<f32>() - 0.5)).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The chunk kernels take long sequences too few to fill the fused kernel's blocks, and
+    /// never the CPU's passes.
+    #[test]
+    fn long_passes_of_few_sequences_take_the_chunk_kernels() {
+        assert!(long_and_few((1, 2048, 16), 128), "one sequence, 64 blocks");
+        assert!(long_and_few((2, 2048, 8), 256), "Gated DeltaNet 1.3B, two sequences: 128 blocks");
+        assert!(!long_and_few((4, 2048, 16), 128), "256 blocks fill the GPU");
+        assert!(!long_and_few((8, 2048, 8), 256), "a calibration pass");
+        assert!(!long_and_few((1, CHUNKS_FROM_TOKENS - 1, 16), 128), "too short");
+        assert!(!long_and_few((1, 1, 16), 128), "a decoding step");
+        assert!(!Kernel::chunks_without_gradients(&Device::Cpu, (1, 4096, 16), 128, 128));
     }
 
     /// The recurrence written with candle tensor ops, one token at a time (independent check).
