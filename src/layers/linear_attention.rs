@@ -263,7 +263,7 @@ impl LinearAttention {
             }
         };
         // Long sequences take the chunk kernels, on tensor cores with v in its 16-bit dtype
-        // (see `Kernel::choose`); the fused kernel wants every input in float32.
+        // (see `Kernel::chunks_without_gradients`); the fused kernel wants every input in float32.
         let chunks = fused
             && mixed.dtype() != f32
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
