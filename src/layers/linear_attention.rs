@@ -268,20 +268,10 @@ impl LinearAttention {
             && mixed.dtype() != f32
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
             && crate::ops::delta_rule::Kernel::chunks_without_gradients(dev, (b, t, d.v_heads), d.dk, d.dv);
-        let (q, k, v) = if chunks {
-            use crate::ops::prep::Heads;
-            let eps = Some(L2_EPS as f32);
-            (
-                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps }.run(&mixed)?,
-                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps }.run(&mixed)?,
-                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None }.run(&mixed)?,
-            )
-        } else if fused {
-            let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
-            prep.run(&mixed)?
-        } else if !dev.is_cpu() {
-            // With gradients on a GPU: one op per part, each reading its columns in place, their
-            // backwards writing one d(mixed) (see `ops::prep::heads_qkv`).
+        let (q, k, v) = if chunks || (!fused && !dev.is_cpu()) {
+            // For the chunk kernels, and with gradients on a GPU: one op per part, each reading
+            // its columns in place, their backwards writing one d(mixed) (see
+            // `ops::prep::heads_qkv`).
             use crate::ops::prep::Heads;
             let eps = Some(L2_EPS as f32);
             crate::ops::prep::heads_qkv(
@@ -290,6 +280,9 @@ impl LinearAttention {
                 Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
                 Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None },
             )?
+        } else if fused {
+            let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
+            prep.run(&mixed)?
         } else {
             // Cast from the column slice, then split heads: one pass, not a copy and a cast.
             let head_f32 = |off: usize| mixed.narrow(2, off, kd)?.to_dtype(f32)?.reshape((b, t, d.heads, d.dk));

@@ -753,28 +753,9 @@ pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Hea
     Ok(per_dtype!(x.dtype(), "heads_fwd", "heads", launch))
 }
 
-/// `heads_bwd` in kernels.cu: d(x) [rows, c] in x's dtype, zero outside the heads' columns, from
-/// dy (contiguous; float32 when normed, else x's dtype).
-pub fn heads_bwd(
-    x: &CudaStorage,
-    (offset, xs): (usize, usize),
-    (rows, c): (usize, usize),
-    dy: (&CudaStorage, &Layout),
-    p: &Heads,
-) -> Result<CudaStorage> {
-    let dev = x.device().clone();
-    let mut out = match x.dtype() {
-        DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(rows * c)?, dev.clone()),
-        DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::bf16>(rows * c)?, dev.clone()),
-        DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::f16>(rows * c)?, dev.clone()),
-        dt => candle_core::bail!("heads backward: unsupported dtype {dt:?}"),
-    };
-    heads_bwd_into(&mut out, 0, x, (offset, xs), (rows, c), dy, p)?;
-    Ok(out)
-}
-
-/// `heads_bwd` in kernels.cu into `out` from element `at` on, [rows, c] in x's dtype: the heads'
-/// columns are written, the others left as they are.
+/// `heads_bwd` in kernels.cu: d(x) into `out` from element `at` on, [rows, c] in x's dtype, from
+/// dy (contiguous; float32 when normed, else x's dtype); the heads' columns are written, the
+/// others left as they are.
 pub fn heads_bwd_into(
     out: &mut CudaStorage,
     at: usize,

@@ -104,6 +104,13 @@ impl Heads {
         super::as_rows(x)?.apply_op1(*self)
     }
 
+    /// Write d(x) from the outputs' gradient into the heads' columns of `dx` (contiguous, x's
+    /// shape and dtype), the others untouched.
+    fn grad_into(&self, dx: &Tensor, x: &Tensor, grad: &Tensor) -> Result<()> {
+        let want = if self.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
+        dx.inplace_op3(x, &grad.to_dtype(want)?.contiguous()?, &HeadsInto(*self))
+    }
+
     /// An error unless the heads fit rows of `c` columns.
     fn check(&self, c: usize) -> Result<()> {
         if self.heads == 0 || self.d == 0 || self.rep == 0 || self.off + self.heads * self.d > c {
@@ -152,14 +159,8 @@ impl Heads {
         }
     }
 
-    /// d(x) [rows, width] from the outputs' gradient g (the module's formulas).
-    fn bwd_cpu<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G]) -> Vec<T> {
-        let mut out = vec![T::from_f64(0.0); r.rows * r.width];
-        self.bwd_cpu_into(x, r, g, &mut out);
-        out
-    }
-
-    /// [`Self::bwd_cpu`] into the heads' columns of `out` [rows, width], the others untouched.
+    /// d(x) from the outputs' gradient g (the module's formulas), written into the heads' columns
+    /// of `out` [rows, width], the others untouched.
     fn bwd_cpu_into<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G], out: &mut [T]) {
         let (h, d, rep) = (self.heads, self.d, self.rep);
         for row in 0..r.rows {
@@ -207,53 +208,9 @@ impl CustomOp1 for Heads {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let want = if self.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
-        let g = grad.to_dtype(want)?.contiguous()?;
-        Ok(Some(x.apply_op2_no_bwd(&g, &HeadsBwd(*self))?))
-    }
-}
-
-/// [`Heads`]' backward over (x, the outputs' gradient): d(x) in x's shape (contiguous) and dtype.
-struct HeadsBwd(Heads);
-
-impl CustomOp2 for HeadsBwd {
-    fn name(&self) -> &'static str {
-        "statecut-heads-bwd"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout, g: &CpuStorage, gl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let r = Rows::of(xl, "heads backward")?;
-        let (a, b) = super::contiguous(gl, "heads backward gradient")?;
-        macro_rules! go {
-            ($x:expr, $wrap:path) => {
-                match g {
-                    CpuStorage::F32(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
-                    CpuStorage::BF16(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
-                    CpuStorage::F16(g) => $wrap(self.0.bwd_cpu($x, &r, &g[a..b])),
-                    _ => candle_core::bail!("heads backward: unsupported dtype"),
-                }
-            };
-        }
-        let out = match x {
-            CpuStorage::F32(x) => go!(x, CpuStorage::F32),
-            CpuStorage::BF16(x) => go!(x, CpuStorage::BF16),
-            CpuStorage::F16(x) => go!(x, CpuStorage::F16),
-            _ => candle_core::bail!("heads backward: unsupported dtype"),
-        };
-        Ok((out, xl.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        g: &candle_core::CudaStorage,
-        gl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let r = Rows::of(xl, "heads backward")?;
-        let out = super::cuda::heads_bwd(x, (r.offset, r.stride), (r.rows, r.width), (g, gl), &self.0)?;
-        Ok((out, xl.shape().clone()))
+        let dx = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
+        self.grad_into(&dx, x, grad)?;
+        Ok(Some(dx))
     }
 }
 
@@ -295,16 +252,18 @@ struct Part {
 impl Part {
     /// Write this part's columns of d(x) from the output's gradient into the shared buffer.
     fn deposit(&self, x: &Tensor, grad: &Tensor) -> Result<()> {
-        let want = if self.heads.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
-        let g = grad.to_dtype(want)?.contiguous()?;
-        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
+        let mut slot = self.lock()?;
         let buf = match slot.take() {
             Some(b) if !self.opens => b,
             _ => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
         };
-        buf.inplace_op3(x, &g, &HeadsInto(self.heads))?;
+        self.heads.grad_into(&buf, x, grad)?;
         *slot = Some(buf);
         Ok(())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+        self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))
     }
 
     fn fwd_cpu(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -329,8 +288,7 @@ impl CustomOp1 for Part {
     /// The last backward of the three: hands over d(x) whole.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         self.deposit(x, grad)?;
-        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
-        Ok(slot.take())
+        Ok(self.lock()?.take())
     }
 }
 
