@@ -156,10 +156,9 @@ impl Attention {
             }
             *c = LayerCache::Attention { k: k.clone(), v: v.clone() };
         }
-        let scores = (q.matmul(&k.t()?)? * s.scale)?;
-        let scores = scores.to_dtype(DType::F32)?.broadcast_add(&causal_mask(past, t, s.window, x.device())?)?;
-        let probs = crate::ops::softmax_last(&scores)?.to_dtype(v.dtype())?;
-        let o = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, hq * hd))?;
+        let mask = causal_mask(past, t, s.window, x.device())?;
+        let o = crate::ops::attention::attention(&q, &k, &v, &mask, s.scale)?;
+        let o = o.transpose(1, 2)?.reshape((b, t, hq * hd))?;
         let o = match gate {
             Some(g) => (o * candle_nn::ops::sigmoid(&g)?)?,
             None => o,

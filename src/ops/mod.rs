@@ -1,5 +1,6 @@
 //! Math shared by every architecture adapter: written once, reused.
 
+pub mod attention;
 mod chunk_intra;
 mod chunk_layout;
 mod chunk_out;
@@ -156,6 +157,11 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     if untracked(&[x]) {
         return candle_nn::ops::softmax_last_dim(x);
     }
+    softmax_ops(x)
+}
+
+/// [`softmax_last`]'s separate ops, whether or not a gradient flows.
+pub(crate) fn softmax_ops(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(candle_core::D::Minus1)?.detach();
     let num = x.broadcast_sub(&max)?.exp()?;
     num.broadcast_div(&num.sum_keepdim(candle_core::D::Minus1)?)
