@@ -7,7 +7,7 @@ use super::linear::Linear;
 use crate::model::LayerCache;
 use crate::ops::norm::{NormWeight, RmsNorm};
 use anyhow::Result;
-use candle_core::{DType, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -75,10 +75,9 @@ impl Mla {
             }
             *c = LayerCache::Attention { k: k.clone(), v: v.clone() };
         }
-        let scores = (q.matmul(&k.t()?)? * (qk as f64).powf(-0.5))?;
         let mask = super::attention::causal_mask(past, t, None, x.device())?;
-        let probs = crate::ops::softmax_last(&scores.to_dtype(DType::F32)?.broadcast_add(&mask)?)?;
-        let o = probs.to_dtype(v.dtype())?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d.heads * d.v_head))?;
+        let o = crate::ops::attention::attention(&q, &k, &v, &mask, (qk as f64).powf(-0.5))?;
+        let o = o.transpose(1, 2)?.reshape((b, t, d.heads * d.v_head))?;
         Ok(self.o_proj.forward(&o)?)
     }
 }

@@ -167,7 +167,8 @@ mod tests {
 
     /// The op's output and the gradients of q, k and v equal those of the ops written out with
     /// candle's autograd (the softmax as separate ops, as a tracked pass ran it before), in groups
-    /// of every sequence, one and two, in float32 and bf16, a windowed mask included.
+    /// of every sequence, one and two, in float32 and bf16, a windowed mask and values narrower
+    /// than the keys (as MLA's) included.
     #[test]
     fn attention_equals_its_ops() -> Result<()> {
         let dev = Device::Cpu;
@@ -175,12 +176,12 @@ mod tests {
         for dtype in [DType::F32, DType::BF16] {
             for window in [None, Some(2)] {
                 let mask = mask(t, window)?;
-                let var = |phase: f64| -> Result<Var> {
+                let var = |phase: f64, d: usize| -> Result<Var> {
                     let x = Tensor::arange(0f32, (b * h * t * d) as f32, &dev)?.reshape((b, h, t, d))?;
                     Var::from_tensor(&((x * 0.37)? + phase)?.sin()?.to_dtype(dtype)?)
                 };
-                let (q, k, v) = (var(0.1)?, var(1.3)?, var(2.9)?);
-                let g = Tensor::randn(0f32, 1.0, (b, h, t, d), &dev)?.to_dtype(dtype)?;
+                let (q, k, v) = (var(0.1, d)?, var(1.3, d)?, var(2.9, d - 1)?);
+                let g = Tensor::randn(0f32, 1.0, (b, h, t, d - 1), &dev)?.to_dtype(dtype)?;
                 let run = |o: Tensor| -> Result<Vec<Vec<f32>>> {
                     let grads = super::super::seed_gradient(&o, &g)?.backward()?;
                     let mut out = vec![o.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?];
