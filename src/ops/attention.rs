@@ -7,8 +7,7 @@
 //! one group's few [T, S] tensors are all it holds (candle's backward of the ops would also keep
 //! a zero-filled gradient for the softmax's untracked row maximum and the mask).
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
 /// Bytes of float32 scores one group of sequences may hold: the forward's and the backward's
@@ -31,9 +30,10 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) 
 /// [`attention`] with gradients, `group` sequences at a time.
 fn grouped(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64, group: usize) -> Result<Tensor> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let b = q.dim(0)?;
     let mut parts = Vec::new();
-    for b0 in (0..q.dim(0)?).step_by(group) {
-        let n = group.min(q.dim(0)? - b0);
+    for b0 in (0..b).step_by(group) {
+        let n = group.min(b - b0);
         let part = |x: &Tensor| x.narrow(0, b0, n).map(|x| x.detach());
         parts.push(core(&part(&q)?, &part(&k)?, &part(&v)?, mask, scale)?);
     }
@@ -105,10 +105,7 @@ impl CustomOp3 for Attention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        let Storage::Cpu(s) = &*s else { candle_core::bail!("attention: the output is not on the CPU") };
-        Ok((s.try_clone(l)?, out.shape().clone()))
+        super::copy_cpu(&self.take()?, "attention")
     }
 
     #[cfg(feature = "cuda")]
@@ -121,10 +118,7 @@ impl CustomOp3 for Attention {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        let Storage::Cuda(s) = &*s else { candle_core::bail!("attention: the output is not on the GPU") };
-        Ok((s.try_clone(l)?, out.shape().clone()))
+        super::copy_gpu(&self.take()?, "attention")
     }
 
     fn bwd(

@@ -21,8 +21,7 @@ use super::chunk_out::{self, Out};
 use super::chunk_walk::{self, final_state, Walk, WalkIn};
 use super::cpu_slice;
 use super::recurrence::{Recurrence, Rule};
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 use std::sync::Arc;
 
 /// Outputs o [B,T,H,dv] in the values' dtype and final state [B,H,dk,dv] float32, in chunks of
@@ -319,22 +318,6 @@ struct Output {
     state: bool,
 }
 
-/// The saved tensor `t`'s CPU storage, for an op's CPU half.
-fn on_cpu<R>(t: &Tensor, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(s) => f(s, l),
-        _ => candle_core::bail!("chunk recurrence: the saved steps are not on the CPU"),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn on_gpu<R>(t: &Tensor, f: impl FnOnce(&candle_core::CudaStorage, &Layout) -> Result<R>) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    let (s, l) = super::cuda::on_gpu(&s, l, "chunk recurrence")?;
-    f(s, l)
-}
-
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
 impl CustomOp3 for Output {
@@ -355,8 +338,8 @@ impl CustomOp3 for Output {
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         match self.state {
-            false => on_cpu(&self.saved.o, |s, l| self.saved.unchunk.cpu_fwd(s, l)),
-            true => on_cpu(&self.saved.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone()))),
+            false => super::on_cpu(&self.saved.o, "chunk recurrence", |s, l| self.saved.unchunk.cpu_fwd(s, l)),
+            true => super::copy_cpu(&self.saved.state, "chunk recurrence"),
         }
     }
 
@@ -371,8 +354,8 @@ impl CustomOp3 for Output {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         match self.state {
-            false => on_gpu(&self.saved.o, |s, l| self.saved.unchunk.cuda_fwd(s, l)),
-            true => on_gpu(&self.saved.state, |s, l| Ok((s.try_clone(l)?, l.shape().clone()))),
+            false => super::on_gpu(&self.saved.o, "chunk recurrence", |s, l| self.saved.unchunk.cuda_fwd(s, l)),
+            true => super::copy_gpu(&self.saved.state, "chunk recurrence"),
         }
     }
 

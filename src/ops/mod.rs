@@ -167,6 +167,46 @@ pub(crate) fn softmax_ops(x: &Tensor) -> Result<Tensor> {
     num.broadcast_div(&num.sum_keepdim(candle_core::D::Minus1)?)
 }
 
+/// The CPU storage of a tensor an op saved, for the op's CPU half; an error naming `what`
+/// where it lies elsewhere.
+pub(crate) fn on_cpu<R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&candle_core::CpuStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        candle_core::Storage::Cpu(s) => f(s, l),
+        _ => candle_core::bail!("{what}: the saved tensors are not on the CPU"),
+    }
+}
+
+/// The GPU storage of a tensor an op saved, for the op's CUDA half.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_gpu<R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&candle_core::CudaStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    let (s, l) = cuda::on_gpu(&s, l, what)?;
+    f(s, l)
+}
+
+/// A copy of `t` as an op's output, on the CPU: for ops whose forward ran as tensor ops before
+/// them and hand the result over.
+pub(crate) fn copy_cpu(t: &Tensor, what: &str) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    use candle_core::backend::BackendStorage;
+    on_cpu(t, what, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
+}
+
+/// [`copy_cpu`] on the GPU.
+#[cfg(feature = "cuda")]
+pub(crate) fn copy_gpu(t: &Tensor, what: &str) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    use candle_core::backend::BackendStorage;
+    on_gpu(t, what, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
+}
+
 /// The values of a float32 tensor, on the host (the custom ops' CPU halves read their extra
 /// inputs this way).
 pub(crate) fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
