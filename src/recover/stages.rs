@@ -285,71 +285,73 @@ struct Need {
 
 /// Which blocks keep their graph from the forward. Under [`Recompute::Auto`] on a GPU, what
 /// each block needs is measured the first time the block is recomputed (the first pass keeps
-/// none, so it measures them all). From then on the forward keeps blocks in order while the
-/// free memory read before the first block, less the graphs kept so far, still leaves room for
-/// the rest of the step: the loss's chunks of logits, the most any block needs recomputed and
-/// differentiated, and a twentieth of the device (of the budget, under `--train-memory`, which
-/// also counts as free only what it leaves above the memory in use). Blocks are measured one by one because they
-/// differ: a hybrid's attention blocks hold their [T, T] scores, many times a linear-attention
-/// block's graph, and their backward needs more again. The forward waits on the device once,
-/// before the first block.
+/// none, so it measures them all). From then on the blocks to keep are planned once, before the
+/// first block, from the free memory read there ([`Room::plan`]): the backward runs from the
+/// last block to the first, so each block's backward needs only the graphs kept before it and
+/// its own peak. Blocks are measured one by one because they differ: a hybrid's attention blocks
+/// hold their [T, T] scores, many times a linear-attention block's graph, and their backward
+/// needs more again. The forward waits on the device once, before the first block.
 struct Keep {
     policy: Recompute,
     device: candle_core::Device,
-    /// Device memory in bytes (or the budget, where smaller), and what each block needs where
-    /// measured.
-    total: usize,
-    /// The device's memory where `total` is a budget.
-    device_total: usize,
+    /// Which blocks keep their graphs under `auto` (`None` while some block is unmeasured, or on
+    /// the CPU: then none does).
+    plan: Option<Vec<bool>>,
+    /// What each block needs, where measured.
     sizes: Vec<Option<Need>>,
-    /// The most any block needs recomputed and differentiated (`None` while one is unmeasured).
-    peak: Option<usize>,
-    /// Free memory before the first block, and what the blocks kept so far hold.
-    before: Option<usize>,
-    held: usize,
     /// Blocks kept so far, and the largest of them (bytes).
     kept: usize,
     largest_kept: usize,
 }
 
 /// The memory rule of [`Recompute::Auto`], apart from the device: `total` bytes of device
-/// memory, `logits` bytes for the loss's chunks.
+/// memory (or the budget), `logits` bytes for the loss's chunks.
 struct Room {
     total: usize,
     logits: usize,
 }
 
 impl Room {
-    /// Whether a block whose graph holds `size` bytes keeps it, with `before` bytes free before
-    /// the first block, `held` bytes held by the blocks kept so far, and `peak` the most any
-    /// block needs recomputed and differentiated (`None` while some block is unmeasured: then
-    /// none is kept).
-    fn keeps(&self, before: Option<usize>, held: usize, size: Option<usize>, peak: Option<usize>) -> bool {
-        let (Some(before), Some(size), Some(peak)) = (before, size, peak) else { return false };
-        before.saturating_sub(held + size) >= peak + self.logits + self.total / 20
+    /// Which blocks keep their graphs with `before` bytes free before the first block, less a
+    /// twentieth of `total` (what the forward keeps besides the graphs: every block's input,
+    /// and the allocator's slack).
+    ///
+    /// Block j's backward runs after those of the blocks above it, which free their graphs, so
+    /// it runs with the graphs kept below it held and needs its own peak on top (a kept block's
+    /// peak counts its graph): Σ_{k<j, kept} graph_k + peak_j must fit for every j, and every
+    /// kept graph with the loss's logits. A block's graph weighs on every block above it, so
+    /// blocks are taken from the last down while all of that still fits.
+    fn plan(&self, before: usize, needs: &[Need]) -> Vec<bool> {
+        let room = before.saturating_sub(self.total / 20);
+        let fits = |keep: &[bool]| {
+            let mut held = 0usize;
+            for (n, &k) in needs.iter().zip(keep) {
+                if held + n.peak > room {
+                    return false;
+                }
+                held += if k { n.graph } else { 0 };
+            }
+            held + self.logits <= room
+        };
+        let mut keep = vec![false; needs.len()];
+        for j in (0..needs.len()).rev() {
+            keep[j] = true;
+            keep[j] = fits(&keep);
+        }
+        keep
     }
 }
 
 impl Keep {
     fn new(policy: Recompute, device: &candle_core::Device, sizes: Vec<Option<Need>>, budget: Option<usize>) -> Self {
-        let device_total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
-        let total = budget.map_or(device_total, |b| b.min(device_total));
-        let peak = sizes.iter().try_fold(0, |m, s| s.map(|s| m.max(s.peak)));
-        let mut keep = Self {
-            policy,
-            device: device.clone(),
-            total,
-            device_total,
-            sizes,
-            peak,
-            before: None,
-            held: 0,
-            kept: 0,
-            largest_kept: 0,
-        };
-        // Read once, before the first block, and only once every block is measured.
-        if policy == Recompute::Auto && peak.is_some() {
-            keep.before = keep.free();
+        let mut keep = Self { policy, device: device.clone(), plan: None, sizes, kept: 0, largest_kept: 0 };
+        // Planned once, before the first block, and only once every block is measured.
+        let needs: Option<Vec<Need>> = keep.sizes.iter().copied().collect();
+        if let (Recompute::Auto, Some(needs)) = (policy, needs) {
+            let device_total = crate::device::memory_info(device).map_or(0, |(_, t)| t);
+            let total = budget.map_or(device_total, |b| b.min(device_total));
+            let room = Room { total, logits: chunk_logit_bytes(device) };
+            keep.plan = keep.free(device_total, total).map(|before| room.plan(before, &needs));
         }
         keep
     }
@@ -359,14 +361,10 @@ impl Keep {
         let keep = match self.policy {
             Recompute::All => false,
             Recompute::None => true,
-            Recompute::Auto => {
-                let room = Room { total: self.total, logits: chunk_logit_bytes(&self.device) };
-                room.keeps(self.before, self.held, self.graph(i), self.peak)
-            }
+            Recompute::Auto => self.plan.as_ref().is_some_and(|p| p.get(i).copied().unwrap_or(false)),
         };
         if keep {
             let size = self.graph(i).unwrap_or(0);
-            self.held += size;
             self.largest_kept = self.largest_kept.max(size);
             self.kept += 1;
         }
@@ -382,14 +380,15 @@ impl Keep {
         self.policy == Recompute::Auto && !self.device.is_cpu()
     }
 
-    /// Free device memory after the queued work, within the budget (`None` on the CPU).
-    fn free(&self) -> Option<usize> {
+    /// Free device memory after the queued work, within `limit` of the device's `device_total`
+    /// (`None` on the CPU).
+    fn free(&self, device_total: usize, limit: usize) -> Option<usize> {
         if self.device.is_cpu() {
             return None;
         }
         self.device.synchronize().ok()?;
         let free = crate::device::free_memory(&self.device)?;
-        Some(within_budget(free, self.device_total, self.total))
+        Some(within_budget(free, device_total, limit))
     }
 }
 
@@ -408,43 +407,69 @@ mod tests {
     use candle_core::Device;
     use std::sync::Arc;
 
-    /// The memory rule keeps blocks in order while what is left after the next one covers the
-    /// loss's logits, the most a block needs recomputed and differentiated, and a twentieth of
-    /// the device, and keeps none while a block is unmeasured or on the CPU.
+    /// Whether `keep` fits `room` bytes: every block's backward with the graphs kept below it,
+    /// and every kept graph with `logits`.
+    fn valid(needs: &[Need], keep: &[bool], room: usize, logits: usize) -> bool {
+        let mut held = 0;
+        for (n, &k) in needs.iter().zip(keep) {
+            if held + n.peak > room {
+                return false;
+            }
+            held += if k { n.graph } else { 0 };
+        }
+        held + logits <= room
+    }
+
+    /// The memory rule's plan fits (each block's backward with the graphs kept below it, and
+    /// all of them with the loss's logits), keeps every block that could be added to it, takes
+    /// the last blocks first, and keeps none when even recomputing every block does not fit.
     #[test]
-    fn auto_keeps_blocks_while_memory_allows() {
+    fn auto_plans_blocks_that_fit_their_backward() {
         let gib = 1usize << 30;
         let room = Room { total: 140 * gib, logits: 4 * gib };
-        assert!(!room.keeps(None, 0, Some(gib), Some(gib)), "unmeasured device (the CPU): recompute");
-        assert!(!room.keeps(Some(120 * gib), 0, None, None), "an unmeasured block: recompute");
-        assert!(!room.keeps(Some(120 * gib), 0, Some(gib), None), "some block unmeasured: recompute");
-        // 5 GiB a block, 10 at its peak, from 120 GiB free: the reserve is 10 + 4 + 7 = 21 GiB,
-        // so 19 blocks fit.
-        let plan = |sizes: &[usize], before: usize| -> Vec<bool> {
-            let largest = sizes.iter().map(|s| 2 * s).max();
-            let mut held = 0;
-            sizes
-                .iter()
-                .map(|&s| {
-                    let k = room.keeps(Some(before), held, Some(s), largest);
-                    held += if k { s } else { 0 };
-                    k
-                })
-                .collect()
+        let need = |graph: usize, peak: usize| Need { graph: graph * gib, peak: peak * gib };
+        // 30 blocks of 5 GiB, 10 at their peak, 120 GiB free less 7: the last block's backward
+        // holds the other kept graphs, so 21 fit ((21 − 1)·5 + 10 = 110 ≤ 113, 21·5 + 4 = 109);
+        // a rule reserving the peak for every kept block would keep 19.
+        let uniform = vec![need(5, 10); 30];
+        let plan = room.plan(120 * gib, &uniform);
+        assert_eq!(plan.iter().filter(|&&k| k).count(), 21);
+        assert!(plan[9..].iter().all(|&k| k) && !plan[8], "the last blocks first: {plan:?}");
+        assert!(!room.plan(9 * gib, &uniform).iter().any(|&k| k), "not even one block's backward fits");
+        // Random needs: hybrids, one block far larger than the rest, budgets from nothing to all.
+        let mut seed = 7u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
         };
-        assert_eq!(plan(&[5 * gib; 30], 120 * gib).iter().filter(|&&k| k).count(), 19);
-        // A hybrid: every fourth block holds 8x a linear-attention block. The reserve follows the
-        // largest, and whatever is kept leaves it free.
-        let sizes: Vec<usize> = (0..32).map(|i| if i % 4 == 3 { 16 * gib } else { 2 * gib }).collect();
-        for before in [40, 80, 120, 135] {
-            let kept = plan(&sizes, before * gib);
-            let held: usize = sizes.iter().zip(&kept).filter(|(_, &k)| k).map(|(s, _)| s).sum();
-            assert!(
-                held == 0 || before * gib - held >= 2 * 16 * gib + 4 * gib + 7 * gib,
-                "before {before}: held {held}"
-            );
-            assert_eq!(kept.iter().any(|&k| k), before * gib >= 2 * gib + 43 * gib, "before {before}: {kept:?}");
+        for case in 0..300 {
+            let len = 1 + next(40) as usize;
+            let needs: Vec<Need> = (0..len)
+                .map(|_| {
+                    let graph = 1 + next(20) as usize;
+                    need(graph, graph + next(3 * graph as u64) as usize)
+                })
+                .collect();
+            let before = next(200) as usize * gib;
+            let plan = room.plan(before, &needs);
+            let r = before.saturating_sub(7 * gib);
+            if !valid(&needs, &vec![false; len], r, 4 * gib) {
+                assert!(!plan.iter().any(|&k| k), "case {case}: nothing fits, yet {plan:?}");
+                continue;
+            }
+            assert!(valid(&needs, &plan, r, 4 * gib), "case {case}: the plan does not fit");
+            for j in (0..len).filter(|&j| !plan[j]) {
+                let mut more = plan.clone();
+                more[j] = true;
+                assert!(!valid(&needs, &more, r, 4 * gib), "case {case}: block {j} would fit too");
+            }
         }
+        // A hybrid whose last block is an attention block, 16 GiB held and 60 at its peak: it
+        // is kept (no backward runs after it), and the blocks below it fit beside its peak.
+        let hybrid: Vec<Need> = (0..32).map(|i| if i % 4 == 3 { need(16, 60) } else { need(2, 4) }).collect();
+        let plan = room.plan(100 * gib, &hybrid);
+        assert!(plan[31], "{plan:?}");
+        assert!(valid(&hybrid, &plan, 93 * gib, 4 * gib));
     }
 
     /// A budget counts as free only what it leaves above the memory in use, and never more than
