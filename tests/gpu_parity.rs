@@ -644,8 +644,9 @@ fn prefill_kernels_match_cpu() {
 /// The short conv and the RMS norms with gradients (statecut's ops with their own backward on
 /// the GPU) against the CPU's candle ops: outputs and the gradients of the input, the gate, the
 /// weights and the bias, over more than one block of channels and of steps, the conv's input
-/// read as a column slice. In bf16 the GPU runs in bf16 and the CPU in float32 over the same
-/// rounded values (candle's bf16 ops on the CPU would also sum in bf16).
+/// read as a column slice; the ops that have a CPU half of their own (the MLP step) against it.
+/// In bf16 the GPU runs in bf16 and the CPU in float32 over the same rounded values (candle's
+/// bf16 ops on the CPU would also sum in bf16).
 #[test]
 fn conv_and_norm_gradients_match_cpu() {
     use candle_core::Var;
@@ -668,14 +669,20 @@ fn conv_and_norm_gradients_match_cpu() {
         out.extend(vars.iter().map(|v| flat(store.get(v.as_tensor()).unwrap())));
         out
     };
-    let compare = |what: &str, dtype: DType, inputs: &[Tensor], g: &Tensor, f: Model| {
+    // The GPU's relative errors against the CPU's float32, output first, then each gradient.
+    let errors = |what: &str, dtype: DType, inputs: &[Tensor], g: &Tensor, f: Model| -> Vec<f64> {
         let rounded: Vec<Tensor> =
             inputs.iter().map(|t| t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap()).collect();
         let (on_gpu, on_cpu) = (run(&gpu, dtype, &rounded, g, f), run(&cpu, DType::F32, &rounded, g, f));
-        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-        for (i, (a, want)) in on_gpu.iter().zip(&on_cpu).enumerate() {
-            let err = common::rel_err(a, want);
+        let errs: Vec<f64> = on_gpu.iter().zip(&on_cpu).map(|(a, want)| common::rel_err(a, want)).collect();
+        for (i, err) in errs.iter().enumerate() {
             eprintln!("{what} {dtype:?} output/gradient {i}: relative error {err:.3e}");
+        }
+        errs
+    };
+    let compare = |what: &str, dtype: DType, inputs: &[Tensor], g: &Tensor, f: Model| {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+        for (i, err) in errors(what, dtype, inputs, g, f).into_iter().enumerate() {
             assert!(err < tol, "{what} {dtype:?}: output/gradient {i} differs from the CPU's by {err:.3e}");
         }
     };
@@ -707,6 +714,42 @@ fn conv_and_norm_gradients_match_cpu() {
             }
             inputs.push(rand(&[n], 7));
             compare(&format!("norm n {n} gated {gated} {kind:?}"), dtype, &inputs, &rand(&[3, 70, n], 8), &norm);
+        }
+        // The gated norm per head, the gate [.., heads·n] as the projection gives it and the
+        // output laid out as the gate (the recurrent mixers' output norm with gradients).
+        let heads = |t: &[Tensor], dt: DType| {
+            let norm = RmsNorm::new(t[2].clone(), 1e-6, NormWeight::Plain).unwrap();
+            norm.forward_gated_heads(&t[0].to_dtype(dt).unwrap(), &t[1].to_dtype(dt).unwrap()).unwrap()
+        };
+        let inputs = [rand(&[3, 70, 4, 96], 30), rand(&[3, 70, 4 * 96], 31), rand(&[96], 32)];
+        compare("gated norm by heads", dtype, &inputs, &rand(&[3, 70, 4 * 96], 33), &heads);
+        // A residual step over a frozen SwiGLU MLP as one op (recovery's MLP steps): h and the
+        // norm's weight trained, the norm's backward adding the step's output gradient. In bf16
+        // it is three products deep, so it is held to the ops it replaces (the norm's op, the
+        // frozen MLP's and the sum) on the same GPU: as close to the CPU's float32 as they are.
+        for n in [96, 90] {
+            let step = |composed: bool| {
+                move |t: &[Tensor], dt: DType| {
+                    let dev = t[0].device();
+                    let w =
+                        |shape: &[usize], seed| (rand(shape, seed) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(dev);
+                    let (gate_up, down) = (w(&[2 * n, 64], 34).unwrap(), w(&[64, n], 35).unwrap());
+                    let h = t[0].to_dtype(dt).unwrap();
+                    if !composed || dev.is_cpu() {
+                        return statecut::ops::mlp::frozen_mlp_step(&h, &t[1], 1e-6, &gate_up, &down).unwrap();
+                    }
+                    let x = RmsNorm::new(t[1].clone(), 1e-6, NormWeight::Plain).unwrap().forward(&h).unwrap();
+                    (&h + statecut::ops::mlp::frozen_swiglu_mlp(&x, &gate_up, &down).unwrap()).unwrap()
+                }
+            };
+            let inputs = [rand(&[3, 70, 64], 36), (rand(&[64], 37) + 1.0).unwrap()];
+            let g = rand(&[3, 70, 64], 38);
+            let errs = errors(&format!("mlp step n {n}"), dtype, &inputs, &g, &step(false));
+            let ops = errors(&format!("mlp step's ops n {n}"), dtype, &inputs, &g, &step(true));
+            for (i, (e, o)) in errs.iter().zip(&ops).enumerate() {
+                let bound = if dtype == DType::F32 { 1e-5 } else { 1.5 * o + 1e-3 };
+                assert!(*e < bound, "mlp step n {n} {dtype:?}: output/gradient {i} off by {e:.3e} (its ops: {o:.3e})");
+            }
         }
         // L2 norms of q and k (float32 rows, full and pruned widths).
         for n in [128, 48] {

@@ -326,7 +326,8 @@ impl LinearAttention {
             OutputGate::None => self.norm.forward(&o)?,
             OutputGate::Silu => {
                 let z = p.z.as_ref().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?;
-                self.norm.forward_gated(&o, &z.reshape((b, t, d.v_heads, d.dv))?)?
+                // [b, t, v_heads · dv], as the output projection reads it
+                self.norm.forward_gated_heads(&o, z)?
             }
             OutputGate::SigmoidLowRank { g_a, g_b } => {
                 let gate = g_b.forward(&g_a.forward(x)?)?.reshape((b, t, d.v_heads, d.dv))?;
@@ -334,7 +335,8 @@ impl LinearAttention {
                 (o * candle_nn::ops::sigmoid(&gate.to_dtype(f32)?)?)?.to_dtype(x.dtype())?
             }
         };
-        Ok(self.o_proj.forward(&o.reshape((b, t, d.v_heads * d.dv))?)?)
+        let o = if o.rank() == 3 { o } else { o.reshape((b, t, d.v_heads * d.dv))? };
+        Ok(self.o_proj.forward(&o)?)
     }
 }
 

@@ -47,6 +47,20 @@ impl SwiGlu {
         Ok(Self { gate, up, down, stacked: Some(gate_up) })
     }
 
+    /// The stacked gate|up and down weights where x [.., hidden] may take the frozen MLP's op
+    /// (`ops::mlp::frozen_swiglu_mlp`): off the CPU, with no adapter, bias or gradient on any
+    /// weight, contiguous rows.
+    pub fn frozen(&self, x: &Tensor) -> Option<(&Tensor, &Tensor)> {
+        let s = self.stacked.as_ref()?;
+        let plain = [&self.gate, &self.up].iter().all(|l| l.adapter().is_none());
+        let frozen = plain
+            && !x.device().is_cpu()
+            && [s, &self.down].iter().all(|l| l.bias().is_none() && l.is_plain())
+            && crate::ops::untracked(&[s.weight(), self.down.weight()])
+            && [s.weight(), self.down.weight()].iter().all(|w| w.is_contiguous());
+        frozen.then(|| (s.weight(), self.down.weight()))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // The fused kernel reads the stacked base weight only: not with an adapter on it.
         let fused = self
@@ -59,14 +73,11 @@ impl SwiGlu {
         // With gradients on a GPU (frozen stacked weights, a tracked input): one product and the
         // activation's own backward, not two products and candle's ops; with the down
         // projection frozen too, the whole MLP is one op (see `ops::mlp::frozen_swiglu_mlp`).
+        if let Some((gate_up, down)) = self.frozen(x) {
+            return Ok(crate::ops::mlp::frozen_swiglu_mlp(x, gate_up, down)?);
+        }
         let plain = [&self.gate, &self.up].iter().all(|l| l.adapter().is_none());
         if let Some(s) = self.stacked.as_ref().filter(|s| plain && s.adapter().is_none() && !x.device().is_cpu()) {
-            let frozen = [s, &self.down].iter().all(|l| l.bias().is_none() && l.is_plain())
-                && crate::ops::untracked(&[s.weight(), self.down.weight()])
-                && [s.weight(), self.down.weight()].iter().all(|w| w.is_contiguous());
-            if frozen {
-                return Ok(crate::ops::mlp::frozen_swiglu_mlp(x, s.weight(), self.down.weight())?);
-            }
             return Ok(crate::ops::linear(&self.down, &crate::ops::mlp::swiglu_grad(&crate::ops::linear(s, x)?)?)?);
         }
         let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;

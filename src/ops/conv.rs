@@ -267,19 +267,52 @@ impl CustomOp3 for FusedConv {
         let f32 = candle_core::DType::F32;
         let wb = Tensor::cat(&[w.to_dtype(f32)?, bias.to_dtype(f32)?.unsqueeze(1)?], 1)?.contiguous()?;
         let dy = grad.to_dtype(x.dtype())?.contiguous()?;
-        let out = super::as_rows(x)?.apply_op3_no_bwd(&wb, &dy, &ConvBwd { act: self.act })?;
-        let n = b * l * c;
-        let dx = out.narrow(0, 0, n)?.reshape((b, l, c))?.to_dtype(x.dtype())?;
-        let parts = out.narrow(0, n, out.dim(0)? - n)?.reshape((c * (k + 1), ()))?.sum(1)?.reshape((c, k + 1))?;
+        let rows = super::as_rows(x)?;
+        let (dx, parts) = match rows.device().is_cpu() {
+            true => {
+                let out = rows.apply_op3_no_bwd(&wb, &dy, &ConvBwd { act: self.act })?;
+                let n = b * l * c;
+                let dx = out.narrow(0, 0, n)?.reshape((b, l, c))?.to_dtype(x.dtype())?;
+                (dx, out.narrow(0, n, out.dim(0)? - n)?)
+            }
+            false => self.grads_gpu(&rows, &wb, &dy)?,
+        };
+        let parts = parts.reshape((c * (k + 1), ()))?.sum(1)?.reshape((c, k + 1))?;
         let dw = parts.narrow(1, 0, k)?.to_dtype(w.dtype())?;
         let db = parts.narrow(1, k, 1)?.squeeze(1)?.to_dtype(bias.dtype())?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
-/// The backward of [`FusedConv`]'s causal form over (x, w | bias [C, K+1] float32, dy): float32
-/// dx [B·L·C] followed by partial sums of dw | dbias [C·(K+1), tiles], which the caller adds
-/// up (one tile on the CPU; `conv_silu_bwd` in kernels.cu on a GPU).
+impl FusedConv {
+    /// dx [B, L, C] in x's dtype and the float32 partial sums of dw | dbias [C·(K+1)·tiles] from
+    /// `conv_silu_bwd` (x as rows of one stride, dy contiguous).
+    #[cfg(feature = "cuda")]
+    fn grads_gpu(&self, x: &Tensor, wb: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        use super::cuda::on_gpu;
+        let (dx, parts) = {
+            let ((xs, xl), (ws, wl), (ds, dl)) =
+                (x.storage_and_layout(), wb.storage_and_layout(), dy.storage_and_layout());
+            let what = "conv backward";
+            super::cuda::conv_bwd(on_gpu(&xs, xl, what)?, on_gpu(&ws, wl, what)?, on_gpu(&ds, dl, what)?, self.act)?
+        };
+        let none = candle_core::op::BackpropOp::none;
+        let (b, l, c) = x.dims3()?;
+        let k = wb.dim(1)? - 1;
+        let n = c * (k + 1) * b * l.div_ceil(super::cuda::CONV_BWD_TILE);
+        let dx = Tensor::from_storage(candle_core::Storage::Cuda(dx), x.shape().clone(), none(), false);
+        Ok((dx, Tensor::from_storage(candle_core::Storage::Cuda(parts), n, none(), false)))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn grads_gpu(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<(Tensor, Tensor)> {
+        candle_core::bail!("conv backward: statecut was built without CUDA")
+    }
+}
+
+/// The backward of [`FusedConv`]'s causal form over (x, w | bias [C, K+1] float32, dy) on the
+/// CPU: float32 dx [B·L·C] followed by dw | dbias [C·(K+1)]. It is the reference of
+/// `conv_silu_bwd` in kernels.cu, which writes dx in x's dtype and partial sums per tile.
 struct ConvBwd {
     act: bool,
 }
@@ -364,19 +397,6 @@ impl CustomOp3 for ConvBwd {
         };
         let n = out.len();
         Ok((CpuStorage::F32(out), Shape::from(n)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        wb: &candle_core::CudaStorage,
-        wbl: &Layout,
-        dy: &candle_core::CudaStorage,
-        dyl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda::conv_bwd(x, xl, wb, wbl, dy, dyl, self.act)
     }
 }
 

@@ -222,24 +222,21 @@ pub fn conv(
 /// tile, and a longer tile costs its 7 trailing steps less often.
 pub(crate) const CONV_BWD_TILE: usize = 64;
 
-/// The backward of the causal conv (+ SiLU) of x [B,L,C] (rows of one stride) with `wb` [C,K+1]
-/// (weight | bias, float32) against dy [B,L,C] (x's dtype): float32 dx [B·L·C] followed by
-/// the per-tile partial sums of dw | dbias [C·(K+1), B·⌈L/64⌉] (see `conv_silu_bwd`).
+/// The backward of the causal conv (+ SiLU) of x [B,L,C] (rows of one stride) with wb, the
+/// weight | bias [C, K+1] float32, against dy [B,L,C] (x's dtype): dx [B·L·C] in x's dtype and
+/// the per-tile float32 partial sums of dw | dbias [C·(K+1), B·⌈L/64⌉] (see `conv_silu_bwd`).
 pub fn conv_bwd(
-    x: &CudaStorage,
-    xl: &Layout,
-    wb: &CudaStorage,
-    wbl: &Layout,
-    dy: &CudaStorage,
-    dyl: &Layout,
+    x: (&CudaStorage, &Layout),
+    wb: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
     act: bool,
-) -> Result<(CudaStorage, Shape)> {
+) -> Result<(CudaStorage, CudaStorage)> {
+    let ((x, xl), (wb, wbl)) = (x, wb);
     let dev = x.device().clone();
     let (b, l, c) = xl.shape().dims3()?;
     let k = wbl.shape().dims2()?.1 - 1;
     let super::Rows { offset: x0, stride: xs, .. } = super::Rows::of(xl, "conv backward")?;
     let ntiles = b * l.div_ceil(CONV_BWD_TILE);
-    let n = b * l * c + c * (k + 1) * ntiles;
     let ints = [b, l, c, k, act as usize, CONV_BWD_TILE].map(|v| v as i32);
     let xs = xs as i64;
     let cfg = LaunchConfig {
@@ -251,23 +248,23 @@ pub fn conv_bwd(
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = from::<$ty>(x, x0)?;
-            let gv = view::<$ty>((dy, dyl), "conv backward gradient")?;
+            let gv = view::<$ty>(dy, "conv backward gradient")?;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes every dx and every tile's partial sums.
-            let out = unsafe { dev.alloc::<f32>(n)? };
+            let dx = unsafe { dev.alloc::<$ty>(b * l * c)? };
+            let part = unsafe { dev.alloc::<f32>(c * (k + 1) * ntiles)? };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&xs).arg(&wv).arg(&gv).arg(&out);
+            builder.arg(&xv).arg(&xs).arg(&wv).arg(&gv).arg(&dx).arg(&part);
             for v in &ints {
                 builder.arg(v);
             }
             // SAFETY: argument list matches `conv_silu_bwd_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, dev)
+            (CudaStorage::wrap_cuda_slice(dx, dev.clone()), CudaStorage::wrap_cuda_slice(part, dev))
         }};
     }
-    let out = per_dtype!(x.dtype(), "conv_silu_bwd", "conv backward", launch);
-    Ok((out, Shape::from(n)))
+    Ok(per_dtype!(x.dtype(), "conv_silu_bwd", "conv backward", launch))
 }
 
 /// Gated RMSNorm of rows [rows, n] of x and gate (one dtype) with a float32 weight [n]; output
@@ -313,21 +310,32 @@ pub fn gated_rms(
 /// Rows per block of `rms_bwd` (`RMS_BWD_ROWS` in kernels.cu).
 const RMS_BWD_ROWS: usize = 64;
 
-/// The backward of [`gated_rms`] against dy (x's dtype): float32 dx [rows·n], dg [rows·n] when
-/// `gated`, then partial sums of dw [8·⌈rows/64⌉, n] (one per warp).
+/// What [`rms_bwd`] writes: dx (and dg when gated) in x's dtype, and the float32 partial
+/// sums of dw [parts, n] that the caller adds up.
+pub struct RmsGrads {
+    pub dx: CudaStorage,
+    pub dg: Option<CudaStorage>,
+    pub parts: CudaStorage,
+    pub count: usize,
+}
+
+/// The backward of the gated RMSNorm (`rms_bwd` in kernels.cu), writing dx and dg in x's dtype
+/// (no float32 planes to cast afterwards), dx as res + dx where `res` is given (a residual step's input gradient: the step's output gradient
+/// plus the norm's). x, g, dy and res share one dtype and element count.
 pub fn rms_bwd(
     x: (&CudaStorage, &Layout),
     g: (&CudaStorage, &Layout),
     w: (&CudaStorage, &Layout),
     dy: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
     eps: f32,
     gated: bool,
-) -> Result<(CudaStorage, Shape)> {
+) -> Result<RmsGrads> {
     let dev = x.0.device().clone();
     let n = x.1.shape().dims().last().copied().unwrap_or(1);
     let rows = x.1.shape().elem_count() / n.max(1);
     let blocks = rows.div_ceil(RMS_BWD_ROWS);
-    let len = rows * n * (1 + gated as usize) + n * blocks * 8;
+    let count = blocks * 8;
     let wv = view::<f32>(w, "norm backward weight")?;
     let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let (ri, ni, gi) = (rows as i32, n as i32, gated as i32);
@@ -336,21 +344,33 @@ pub fn rms_bwd(
             let xv = view::<$ty>(x, "norm backward")?;
             let gv = view::<$ty>(g, "norm backward gate")?;
             let dv = view::<$ty>(dy, "norm backward gradient")?;
-            let offsets = [x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
+            let rv = res.map(|r| view::<$ty>(r, "residual gradient")).transpose()?;
+            let mut offsets = vec![x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
+            offsets.extend(res.map(|r| r.1.start_offset()));
             let vec = (vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()])) as i32;
             let func = function(&dev, $name)?;
-            // SAFETY: the kernel writes every dx (and dg) and every block's partial dw.
-            let out = unsafe { dev.alloc::<f32>(len)? };
+            // SAFETY: the kernel writes every dx (every dg when gated) and every block's partial dw.
+            let dxt = unsafe { dev.alloc::<$ty>(rows * n)? };
+            let dgt = if gated { Some(unsafe { dev.alloc::<$ty>(rows * n)? }) } else { None };
+            let out = unsafe { dev.alloc::<f32>(count * n)? };
+            let hi = res.is_some() as i32;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi).arg(&vec);
+            // A missing res is not read (dy stands in), nor a missing dg written (dx stands in).
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(rv.as_ref().unwrap_or(&dv)).arg(&dxt);
+            builder.arg(dgt.as_ref().unwrap_or(&dxt));
+            builder.arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi).arg(&hi).arg(&vec);
             // SAFETY: argument list matches `rms_bwd_*` in kernels.cu.
             unsafe { builder.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, dev)
+            RmsGrads {
+                dx: CudaStorage::wrap_cuda_slice(dxt, dev.clone()),
+                dg: dgt.map(|d| CudaStorage::wrap_cuda_slice(d, dev.clone())),
+                parts: CudaStorage::wrap_cuda_slice(out, dev),
+                count,
+            }
         }};
     }
-    let out = per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch);
-    Ok((out, Shape::from(len)))
+    Ok(per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch))
 }
 
 /// A row view for a launch: storage, start offset and row stride in elements.

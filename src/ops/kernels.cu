@@ -109,22 +109,20 @@ CONV(conv_silu_bf16, __nv_bfloat16)
 CONV(conv_silu_f16, __half)
 
 // The backward of conv_silu's causal form (pad = K - 1, T_out = L, K <= 8): with
-// pre[t] = bias + sum_i w[i] x[t-K+1+i] and y = silu(pre) (or pre), it writes, float32,
-// dx [B, L, C] and, per tile of `tt` steps of one sequence, the partial sums of dw and dbias
+// pre[t] = bias + sum_i w[i] x[t-K+1+i] and y = silu(pre) (or pre), it writes dx [B, L, C] in
+// x's dtype (the layer's gradient needs no cast afterwards) and, per tile of `tt` steps of one sequence, the partial sums of dw and dbias
 // (part[(c*(K+1) + i) * ntiles + tile], i = K for the bias), which the caller adds up. One
 // thread per channel walks its tile once: dpre is recomputed from a sliding window of x, and
 // dx[s] = sum_i w[i] dpre[s+K-1-i] is emitted 7 steps behind, when its dpre are all known.
 // Slot j of the windows holds step t - 7 + j (tap i = j - (8 - K)), so every index is static.
 template <typename T>
 __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float *__restrict__ wb,
-                              const T *__restrict__ dy, float *__restrict__ out, int B, int L, int C, int K, int act,
-                              int tt) {
+                              const T *__restrict__ dy, T *__restrict__ dx, float *__restrict__ part, int B, int L,
+                              int C, int K, int act, int tt) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int tiles = (L + tt - 1) / tt;
   const long long ntiles = (long long)B * tiles;
-  float *dx = out;
-  float *part = out + (long long)B * L * C;
   float wr[8];
 #pragma unroll
   for (int j = 0; j < 8; j++) {
@@ -136,7 +134,7 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
     const int b = bt / tiles, t0 = (bt % tiles) * tt, t1 = min(t0 + tt, L);
     const T *xb = x + (long long)b * L * xs + c;
     const T *gb = dy + (long long)b * L * C + c;
-    float *dxb = dx + (long long)b * L * C + c;
+    T *dxb = dx + (long long)b * L * C + c;
     auto in = [&](int s) { return (s >= 0 && s < L) ? to_f(xb[(long long)s * xs]) : 0.0f; };
     float xw[8], dq[8], dwr[8], dbias = 0.0f;
 #pragma unroll
@@ -183,7 +181,7 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
           float acc = 0.0f;
 #pragma unroll
           for (int j = 0; j < 8; j++) acc += wr[j] * dq[7 - j];
-          dxb[(long long)s * C] = acc;
+          dxb[(long long)s * C] = from_f<T>(acc);
         }
       }
     }
@@ -195,10 +193,10 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
   }
 }
 
-#define CONV_BWD(NAME, T)                                                                           \
-  extern "C" __global__ void NAME(const T *x, long long xs, const float *wb, const T *dy, float *out, \
-                                  int B, int L, int C, int K, int act, int tt) {                   \
-    conv_silu_bwd<T>(x, xs, wb, dy, out, B, L, C, K, act, tt);                                      \
+#define CONV_BWD(NAME, T)                                                                             \
+  extern "C" __global__ void NAME(const T *x, long long xs, const float *wb, const T *dy, T *dx, float *part, \
+                                  int B, int L, int C, int K, int act, int tt) {                     \
+    conv_silu_bwd<T>(x, xs, wb, dy, dx, part, B, L, C, K, act, tt);                                   \
   }
 CONV_BWD(conv_silu_bwd_f32, float)
 CONV_BWD(conv_silu_bwd_bf16, __nv_bfloat16)
@@ -247,14 +245,16 @@ GATED_RMS(gated_rms_f16, __half)
 #define RMS_BWD_ROWS 64
 // With `vec` (n a multiple of 16 bytes of T, every operand 16-byte aligned) each lane takes 16
 // bytes of a row at a time, a quarter to an eighth of the load and store instructions.
+// dx and dg are written in x's dtype, dx as res + dx where `res` is given (a residual step's
+// input gradient: the step's output gradient plus the norm's), so that neither is cast or
+// added afterwards; `out` holds the dw partials.
 template <typename T>
 __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const float *__restrict__ w,
-                        const T *__restrict__ dy, float *__restrict__ out, int rows, int n, float eps, int gated,
-                        int vec) {
+                        const T *__restrict__ dy, const T *__restrict__ res, T *__restrict__ dxt,
+                        T *__restrict__ dgt, float *__restrict__ out, int rows, int n, float eps, int gated, int vec) {
   constexpr int V = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  float *dx = out, *dg = out + (int64_t)rows * n;
-  float *dw = dg + (gated ? (int64_t)rows * n : 0) + ((int64_t)blockIdx.x * warps + warp) * n;
+  float *dw = out + ((int64_t)blockIdx.x * warps + warp) * n;
   const int r0 = blockIdx.x * RMS_BWD_ROWS, r1 = min(r0 + RMS_BWD_ROWS, rows);
   // The lane's first column and step: packs of V when vectorised. A lane zeroes the partial dw
   // it later adds to, so no other lane's write needs to be visible to it.
@@ -296,7 +296,6 @@ __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const 
     const float inv = rsqrtf(ss / n + eps);
     // mean(u w x^) = inv · dot / n
     const float m = inv * dot / n;
-    float *dxr = dx + (int64_t)row * n, *dgr = dg + (int64_t)row * n;
     for (int i = i0; i < n; i += step) {
       float xv[V], dv[V], gv[V], wv[V], ox[V], og[V], ow[V];
       get(xr, i, xv);
@@ -323,27 +322,43 @@ __device__ void rms_bwd(const T *__restrict__ x, const T *__restrict__ g, const 
         ox[e] = inv * (u * wv[e] - xh * m);
         ow[e] += u * xh;
       }
+      float rv[V] = {};
+      if (res) {
+        if (vec) {
+          load16(res + (int64_t)row * n + i, rv);
+        } else {
+          rv[0] = to_f(res[(int64_t)row * n + i]);
+        }
+      }
+      T *xt = dxt + (int64_t)row * n + i, *gt = gated ? dgt + (int64_t)row * n + i : nullptr;
       if (vec) {
-        store_floats<V>(dxr + i, ox);
-        if (gated) store_floats<V>(dgr + i, og);
+        Pack16<T> px, pg;
+#pragma unroll
+        for (int e = 0; e < V; e++) {
+          px.v[e] = from_f<T>(rv[e] + ox[e]);
+          if (gated) pg.v[e] = from_f<T>(og[e]);
+        }
+        *reinterpret_cast<Pack16<T> *>(xt) = px;
+        if (gated) *reinterpret_cast<Pack16<T> *>(gt) = pg;
         store_floats<V>(dw + i, ow);
       } else {
-        dxr[i] = ox[0];
-        if (gated) dgr[i] = og[0];
+        *xt = from_f<T>(rv[0] + ox[0]);
+        if (gated) *gt = from_f<T>(og[0]);
         dw[i] = ow[0];
       }
     }
   }
 }
 
-#define RMS_BWD(NAME, T)                                                                            \
-  extern "C" __global__ void NAME(const T *x, const T *g, const float *w, const T *dy, float *out,  \
-                                  int rows, int n, float eps, int gated, int vec) {                \
-    rms_bwd<T>(x, g, w, dy, out, rows, n, eps, gated, vec);                                         \
+#define RMS_BWD(SUFFIX, T)                                                                                    \
+  extern "C" __global__ void rms_bwd_##SUFFIX(const T *x, const T *g, const float *w, const T *dy, const T *res,  \
+                                              T *dxt, T *dgt, float *out, int rows, int n, float eps, int gated, \
+                                              int has_res, int vec) {                                          \
+    rms_bwd<T>(x, g, w, dy, has_res ? res : nullptr, dxt, dgt, out, rows, n, eps, gated, vec);                \
   }
-RMS_BWD(rms_bwd_f32, float)
-RMS_BWD(rms_bwd_bf16, __nv_bfloat16)
-RMS_BWD(rms_bwd_f16, __half)
+RMS_BWD(f32, float)
+RMS_BWD(bf16, __nv_bfloat16)
+RMS_BWD(f16, __half)
 
 // The recovery loss's rows (src/ops/distill.rs): per row of student logits s and teacher
 // logits t over a vocabulary of v, out[row] = {ce, kl, lse(s), lse(s/T), lse(t/T)} with

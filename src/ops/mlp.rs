@@ -1,8 +1,10 @@
-//! SwiGLU's activation as one op over the stacked gate|up projection's output, and a frozen
-//! SwiGLU MLP as one op differentiable in its input (the layer itself is `layers::mlp::SwiGlu`).
+//! SwiGLU's activation as one op over the stacked gate|up projection's output, a frozen SwiGLU
+//! MLP as one op differentiable in its input, and a whole residual step over a frozen MLP (the
+//! layer itself is `layers::mlp::SwiGlu`).
 
+use super::norm::GatedRms;
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
 use std::sync::Mutex;
 
 /// silu(gate) · up of x [.., 2n] = [gate | up] by [`Swiglu`] (no backward).
@@ -203,17 +205,92 @@ impl CustomOp1 for FrozenMlp {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.input_grad(|| Ok(x.detach()), x, grad)?))
+    }
+}
+
+impl FrozenMlp {
+    /// d(x) of the MLP for its output gradient `grad`, x laid out as `like`; `x` gives the input
+    /// where the forward's gate|up output is gone (a second backward over the same graph).
+    fn input_grad(&self, x: impl FnOnce() -> Result<Tensor>, like: &Tensor, grad: &Tensor) -> Result<Tensor> {
         let gu = match self.slot()?.take() {
             Some(gu) => gu,
-            // A second backward over the same graph: the forward's product again.
-            None => super::projection::frozen_linear(&x.detach(), &self.gate_up)?,
+            None => super::projection::frozen_linear(&x()?, &self.gate_up)?,
         };
         let (out, n) = self.down.dims2()?;
         let rows = gu.elem_count() / (2 * n).max(1);
-        let dy = grad.to_dtype(x.dtype())?.contiguous()?.reshape((rows, out))?;
+        let dy = grad.to_dtype(like.dtype())?.contiguous()?.reshape((rows, out))?;
         let ds = dy.matmul(&self.down)?;
         let dgu = gu.reshape((rows, 2 * n))?.apply_op2_no_bwd(&ds, &SwigluBwd)?;
-        Ok(Some(dgu.matmul(&self.gate_up)?.reshape(x.shape())?))
+        dgu.matmul(&self.gate_up)?.reshape(like.shape())
+    }
+}
+
+/// The residual step `h + down(silu(gate) · up)(norm(h))` over a frozen SwiGLU MLP (the stacked
+/// gate|up [2n, d] and down [d, n], contiguous, no bias) and an ungated RMSNorm with the float32
+/// applied weight `norm_w` [d], differentiable in h and the weight. As separate ops the step's
+/// graph has four edges over [.., d]: h into the norm and into the sum, the norm's output into
+/// the MLP, the MLP's output into the sum, each costing candle's backward a zero-filled buffer
+/// and an add; here it has one, the norm's backward adds the step's output gradient to its own
+/// in one kernel, and the graph keeps gate|up's output alone.
+pub fn frozen_mlp_step(h: &Tensor, norm_w: &Tensor, eps: f64, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let ((two_n, inp), (out, n)) = (gate_up.dims2()?, down.dims2()?);
+    let ok = h.dims().last() == Some(&inp)
+        && out == inp
+        && norm_w.elem_count() == inp
+        && norm_w.dtype() == candle_core::DType::F32
+        && two_n == 2 * n
+        && gate_up.is_contiguous()
+        && down.is_contiguous();
+    if !ok {
+        candle_core::bail!(
+            "MLP step: input {:?}, norm weight {:?} {:?}, gate|up {:?}, down {:?} (contiguous rows, float32 norm)",
+            h.shape(),
+            norm_w.shape(),
+            norm_w.dtype(),
+            gate_up.shape(),
+            down.shape()
+        );
+    }
+    let mlp = FrozenMlp { gate_up: gate_up.detach(), down: down.detach(), gu: Mutex::new(None) };
+    h.contiguous()?.apply_op2(&norm_w.contiguous()?, MlpStep { mlp, eps: eps as f32 })
+}
+
+struct MlpStep {
+    mlp: FrozenMlp,
+    eps: f32,
+}
+
+impl CustomOp2 for MlpStep {
+    fn name(&self) -> &'static str {
+        "statecut-frozen-mlp-step"
+    }
+
+    fn cpu_fwd(&self, h: &CpuStorage, hl: &Layout, w: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, shape) = GatedRms::plain(self.eps).cpu_fwd(h, hl, h, hl, w, wl)?;
+        let (y, y_shape) = self.mlp.cpu_fwd(&x, &Layout::contiguous(shape))?;
+        Ok((h.binary_impl::<candle_core::op::Add>(&y, hl, &Layout::contiguous(y_shape))?, hl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (x, shape) = GatedRms::plain(self.eps).cuda_fwd(h, hl, h, hl, w, wl)?;
+        let (y, y_shape) = self.mlp.cuda_fwd(&x, &Layout::contiguous(shape))?;
+        Ok((h.binary_impl::<candle_core::op::Add>(&y, hl, &Layout::contiguous(y_shape))?, hl.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let h = h.detach();
+        let plain = GatedRms::plain(self.eps);
+        let dx = self.mlp.input_grad(|| h.apply_op3_no_bwd(&h, &w.detach(), &plain), &h, grad)?;
+        let (dh, dw) = super::norm::rms_residual_backward(&h, w, &dx, grad, self.eps as f64)?;
+        Ok((Some(dh), Some(dw)))
     }
 }
 
@@ -301,6 +378,48 @@ mod tests {
         }
         let x = Tensor::zeros((2, 5), DType::F32, &dev)?;
         assert!(frozen_swiglu_mlp(&x, &gate_up.narrow(0, 0, 13)?, &down_wide).is_err());
+        Ok(())
+    }
+
+    /// The residual step's output and its gradients in h and the norm weight equal those of
+    /// its ops (the norm in float32 ops, the frozen MLP, the sum) in float32 and bf16, over a
+    /// second backward of the same graph; a down projection that does not return to h's width
+    /// is refused.
+    #[test]
+    fn mlp_step_matches_its_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        let (d, n, eps) = (6, 5, 1e-6);
+        let gate_up = (Tensor::randn(0f32, 1.0, (2 * n, d), &dev)? * 0.5)?;
+        let down = (Tensor::randn(0f32, 1.0, (d, n), &dev)? * 0.5)?;
+        let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 0.3, d, &dev)? + 1.0)?)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let (wg, wd) = (gate_up.to_dtype(dtype)?, down.to_dtype(dtype)?);
+            let h = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, d), &dev)?.to_dtype(dtype)?)?;
+            let dy = Tensor::randn(0f32, 1.0, (2, 3, d), &dev)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let diff =
+                |a: &Tensor, b: &Tensor| -> Result<f32> { (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>() };
+            let tol = if dtype == DType::F32 { 1e-5 } else { 8e-2 };
+            let fast = frozen_mlp_step(h.as_tensor(), w.as_tensor(), eps, &wg, &wd)?;
+            let x = f(h.as_tensor())?;
+            let ms = x.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+            let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w.as_tensor())?.to_dtype(dtype)?;
+            let slow = (h.as_tensor() + frozen_swiglu_mlp(&normed, &wg, &wd)?)?;
+            assert!(diff(&fast, &slow)? < tol, "{dtype:?}: outputs differ by {}", diff(&fast, &slow)?);
+            let loss = (f(&fast)? * &dy)?.sum_all()?;
+            let gs = (f(&slow)? * &dy)?.sum_all()?.backward()?;
+            for pass in 0..2 {
+                let gf = loss.backward()?;
+                for (what, v) in [("h", h.as_tensor()), ("norm weight", w.as_tensor())] {
+                    let (a, b) = (gf.get(v).expect("gradient"), gs.get(v).expect("gradient"));
+                    let scale = f(b)?.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                    let err = diff(a, b)? / scale;
+                    assert!(err < tol, "{dtype:?} backward {pass}: {what} gradients differ by {err}");
+                }
+            }
+        }
+        let h = Tensor::zeros((2, d), DType::F32, &dev)?;
+        assert!(frozen_mlp_step(&h, w.as_tensor(), eps, &gate_up, &down.narrow(0, 0, d - 1)?).is_err());
         Ok(())
     }
 }

@@ -96,6 +96,18 @@ impl RmsNorm {
         x.contiguous()?.apply_op3_no_bwd(&gate, &weight, &GatedRms { eps: self.eps as f32, gated: true })
     }
 
+    /// [`Self::forward_gated`] per head: x [.., heads, n] and the gate [.., heads·n], laid out as
+    /// the gate (as the output projection reads it). With gradients on a GPU the op reads both as
+    /// they are: a reshape is a node of candle's graph, whose backward adds its gradient into a
+    /// fresh zero buffer like any other edge.
+    pub fn forward_gated_heads(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.get()?;
+        if !super::fusable(&[x, gate, &weight]) && rms_grad_applies(x) {
+            return rms_grad(x, Some(gate), &weight, self.eps);
+        }
+        self.forward_gated(x, &gate.reshape(x.shape())?)?.reshape(gate.shape())
+    }
+
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
     fn forward_gated_ops(&self, x: &Tensor, gate: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let g = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
@@ -123,17 +135,28 @@ fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Res
 }
 
 /// The gated RMSNorm as one op over (x, gate, float32 weight): rows of the last dimension,
-/// float32 inside, one rounding to x's dtype. The CPU half defines it; the CUDA half is
+/// float32 inside, one rounding to x's dtype, laid out as the gate. The CPU half defines it; the CUDA half is
 /// `gated_rms` in kernels.cu. Ungated (`gated` false), the gate is not read.
-struct GatedRms {
+pub(crate) struct GatedRms {
     eps: f32,
     gated: bool,
 }
 
 impl GatedRms {
+    /// The ungated norm, for ops that run it inside their own forward (its gate input is then
+    /// x itself, never read).
+    pub(crate) fn plain(eps: f32) -> Self {
+        Self { eps, gated: false }
+    }
+
     /// x and gate of one shape, the weight as wide as their last dimension.
+    /// The gate holds as many elements as x (its shape may group x's last two dimensions).
     fn check(xl: &Layout, gl: &Layout, wl: &Layout) -> Result<()> {
-        if gl.shape() != xl.shape() || xl.shape().dims().last() != Some(&wl.shape().elem_count()) {
+        let n = wl.shape().elem_count();
+        if gl.shape().elem_count() != xl.shape().elem_count()
+            || xl.shape().dims().last() != Some(&n)
+            || gl.shape().dims().last().is_none_or(|&d| d % n.max(1) != 0)
+        {
             candle_core::bail!("gated norm: x {:?}, gate {:?}, weight {:?}", xl.shape(), gl.shape(), wl.shape());
         }
         Ok(())
@@ -180,7 +203,7 @@ impl CustomOp3 for GatedRms {
             (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(self.rows(&x[xs..xe], &g[gs..ge], w)),
             _ => candle_core::bail!("gated norm: x and gate must share a float dtype"),
         };
-        Ok((out, xl.shape().clone()))
+        Ok((out, gl.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -194,7 +217,8 @@ impl CustomOp3 for GatedRms {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Self::check(xl, gl, wl)?;
-        super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps, self.gated)
+        let (out, _) = super::cuda::gated_rms(x, xl, g, gl, w, wl, self.eps, self.gated)?;
+        Ok((out, gl.shape().clone()))
     }
 
     /// dx, dgate and dw from one [`RmsBwd`] pass.
@@ -209,6 +233,15 @@ impl CustomOp3 for GatedRms {
         let n = w.elem_count();
         let rows = x.elem_count() / n.max(1);
         let dy = grad.to_dtype(x.dtype())?.contiguous()?;
+        #[cfg(feature = "cuda")]
+        if !x.device().is_cpu() {
+            // dx and dg in x's dtype from the kernel itself.
+            let w = w.detach().contiguous()?;
+            let g = if self.gated { g.to_dtype(x.dtype())?.contiguous()? } else { x.contiguous()? };
+            let (dx, dg, dw) = rms_grads_gpu(&x.contiguous()?, &g, &w, &dy, None, self.eps, self.gated)?;
+            let dg = dg.map(|d| d.reshape(g.shape())?.to_dtype(g.dtype())).transpose()?;
+            return Ok((Some(dx.reshape(x.shape())?), dg, Some(dw.reshape(w.shape())?)));
+        }
         let op = RmsBwd { eps: self.eps, gated: self.gated, weight: w.detach().contiguous()? };
         let out = x.contiguous()?.apply_op3_no_bwd(&g.contiguous()?, &dy, &op)?;
         let dx = out.narrow(0, 0, rows * n)?.reshape(x.shape())?.to_dtype(x.dtype())?;
@@ -225,9 +258,93 @@ impl CustomOp3 for GatedRms {
     }
 }
 
-/// The backward of [`GatedRms`] over (x, gate, dy), with the float32 weight held by the op:
-/// float32 dx [rows·n], dgate [rows·n] when gated, then partial sums of dw [parts, n] that the
-/// caller adds up (one part on the CPU; one per warp of `rms_bwd` in kernels.cu).
+/// The gradients of a residual step `h + f(norm(h))` through its ungated norm: d(h) = res +
+/// (the norm's input gradient for an output gradient `dy`), in h's dtype (`res` is the step's
+/// output gradient, which reaches h directly), and dw float32 in w's shape. On a GPU one kernel
+/// (`rms_bwd`) writes d(h), where the norm's float32 dx, its cast and the residual's add
+/// would be three passes. h, dy and res share one shape; w is the float32 applied weight.
+pub(crate) fn rms_residual_backward(
+    h: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    res: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let n = w.elem_count();
+    if h.dims().last() != Some(&n) || dy.shape() != h.shape() || res.shape() != h.shape() || w.dtype() != DType::F32 {
+        candle_core::bail!(
+            "norm backward: h {:?}, dy {:?}, res {:?}, weight {:?} {:?}",
+            h.shape(),
+            dy.shape(),
+            res.shape(),
+            w.shape(),
+            w.dtype()
+        );
+    }
+    let (h, dy, res) = (h.contiguous()?, dy.to_dtype(h.dtype())?.contiguous()?, res.to_dtype(h.dtype())?.contiguous()?);
+    let w = w.detach().contiguous()?;
+    #[cfg(feature = "cuda")]
+    if !h.device().is_cpu() {
+        let (dh, _, dw) = rms_grads_gpu(&h, &h, &w, &dy, Some(&res), eps as f32, false)?;
+        return Ok((dh, dw.reshape(w.shape())?));
+    }
+    let op = RmsBwd { eps: eps as f32, gated: false, weight: w.clone() };
+    let out = h.apply_op3_no_bwd(&h, &dy, &op)?;
+    let len = h.elem_count();
+    let dx = out.narrow(0, 0, len)?.reshape(h.shape())?;
+    let dh = (dx + res.to_dtype(DType::F32)?)?.to_dtype(h.dtype())?;
+    let dw = out.narrow(0, len, out.dim(0)? - len)?.reshape(((), n))?.sum(0)?.reshape(w.shape())?;
+    Ok((dh, dw))
+}
+
+/// dx (res + dx where `res` is given) and dg (gated) in x's dtype, laid out as x, and dw
+/// float32 [n], from one `rms_bwd` kernel. Every input contiguous on the GPU.
+#[cfg(feature = "cuda")]
+fn rms_grads_gpu(
+    x: &Tensor,
+    g: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    res: Option<&Tensor>,
+    eps: f32,
+    gated: bool,
+) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+    use super::cuda::on_gpu;
+    let n = w.elem_count();
+    let grads = {
+        let (xs, xl) = x.storage_and_layout();
+        let (gs, gl) = g.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (ds, dl) = dy.storage_and_layout();
+        let r = res.map(|r| r.storage_and_layout());
+        let what = "norm backward";
+        let r = match &r {
+            Some((rs, rl)) => Some(on_gpu(rs, rl, what)?),
+            None => None,
+        };
+        super::cuda::rms_bwd(
+            on_gpu(&xs, xl, what)?,
+            on_gpu(&gs, gl, what)?,
+            on_gpu(&ws, wl, what)?,
+            on_gpu(&ds, dl, what)?,
+            r,
+            eps,
+            gated,
+        )?
+    };
+    let none = candle_core::op::BackpropOp::none;
+    let wrap = |s: candle_core::CudaStorage, shape: Shape| {
+        Tensor::from_storage(candle_core::Storage::Cuda(s), shape, none(), false)
+    };
+    let dx = wrap(grads.dx, x.shape().clone());
+    let dg = grads.dg.map(|d| wrap(d, x.shape().clone()));
+    let parts = wrap(grads.parts, Shape::from((grads.count, n)));
+    Ok((dx, dg, parts.t()?.contiguous()?.sum(1)?))
+}
+
+/// The backward of [`GatedRms`] over (x, gate, dy) on the CPU, with the float32 weight held by
+/// the op: float32 dx [rows·n], dgate [rows·n] when gated, then dw [n]. It is the reference of
+/// `rms_bwd` in kernels.cu, which writes dx and dgate in x's dtype (see `rms_grads_gpu`).
 struct RmsBwd {
     eps: f32,
     gated: bool,
@@ -297,23 +414,6 @@ impl CustomOp3 for RmsBwd {
         };
         let n = out.len();
         Ok((CpuStorage::F32(out), Shape::from(n)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        xl: &Layout,
-        g: &candle_core::CudaStorage,
-        gl: &Layout,
-        dy: &candle_core::CudaStorage,
-        dyl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (w, wl) = self.weight.storage_and_layout();
-        let candle_core::Storage::Cuda(w) = &*w else {
-            candle_core::bail!("norm backward: the weight is not on the GPU")
-        };
-        super::cuda::rms_bwd((x, xl), (g, gl), (w, wl), (dy, dyl), self.eps, self.gated)
     }
 }
 
