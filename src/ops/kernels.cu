@@ -1942,12 +1942,14 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // ---- The chunk kernels on tensor cores (the `_tc` forms, for bf16 and f16 models) ----
 // The same ops as the float32 kernels above, with their products on mma.sync m16n8k8: operands
-// rounded to TF32 (10-bit mantissa, finer than the bf16 the model's inputs were), sums and state
-// in float32. A warp multiplies 16 x 8 tiles of an M x N product; its tiles are warp + 8 s for
-// slot s < S, accumulated in registers across calls (one call per staged slice of K). Operands
-// are strided views of shared memory, so a transpose is a choice of strides. Staged tiles use
-// row stride TC_TP (≡ 4 mod 32, so a warp's row-major fragment reads hit 32 distinct banks) and
-// the [c, c] matrices TC_P.
+// as TF32 (10-bit mantissa, finer than the bf16 the model's inputs were), sums and state in
+// float32. The mma reads a float's top 19 bits, so the operands go in as they are, truncated:
+// rounding them first (cvt.rna) cost a conversion per element, 2-5% of the kernels' time. A
+// warp multiplies 16 x 8 tiles of an M x N product; its tiles are warp + 8 s for slot s < S,
+// accumulated in registers across calls (one call per staged slice of K). Operands are strided
+// views of shared memory, so a transpose is a choice of strides. Staged tiles use row stride
+// TC_TP (≡ 4 mod 32, so a warp's row-major fragment reads hit 32 distinct banks) and the [c, c]
+// matrices TC_P.
 #define TC_TP 36
 #define TC_P 68
 
@@ -1957,19 +1959,15 @@ struct TcView {
   __device__ __forceinline__ float at(int i, int j) const { return p[i * rs + j * cs]; }
 };
 
-__device__ __forceinline__ unsigned tc_round(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+__device__ __forceinline__ unsigned tc_bits(float x) { return __float_as_uint(x); }
 
 // c += A[m0.., k0..k0+8] B[k0..k0+8, n0..] for one 16 x 8 tile (g = lane / 4, t = lane % 4).
 __device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, const TcView &b, int n0, int k0, int g,
                                        int t) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned a0 = tc_round(a.at(m0 + g, k0 + t)), a1 = tc_round(a.at(m0 + g + 8, k0 + t)),
-                 a2 = tc_round(a.at(m0 + g, k0 + t + 4)), a3 = tc_round(a.at(m0 + g + 8, k0 + t + 4));
-  const unsigned b0 = tc_round(b.at(k0 + t, n0 + g)), b1 = tc_round(b.at(k0 + t + 4, n0 + g));
+  const unsigned a0 = tc_bits(a.at(m0 + g, k0 + t)), a1 = tc_bits(a.at(m0 + g + 8, k0 + t)),
+                 a2 = tc_bits(a.at(m0 + g, k0 + t + 4)), a3 = tc_bits(a.at(m0 + g + 8, k0 + t + 4));
+  const unsigned b0 = tc_bits(b.at(k0 + t, n0 + g)), b1 = tc_bits(b.at(k0 + t + 4, n0 + g));
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
