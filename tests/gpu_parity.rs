@@ -716,13 +716,21 @@ fn conv_and_norm_gradients_match_cpu() {
             compare(&format!("norm n {n} gated {gated} {kind:?}"), dtype, &inputs, &rand(&[3, 70, n], 8), &norm);
         }
         // The gated norm per head, the gate [.., heads·n] as the projection gives it and the
-        // output laid out as the gate (the recurrent mixers' output norm with gradients).
+        // output laid out as the gate (the recurrent mixers' output norm with gradients); the
+        // CPU takes the ops and a reshape.
         let heads = |t: &[Tensor], dt: DType| {
             let norm = RmsNorm::new(t[2].clone(), 1e-6, NormWeight::Plain).unwrap();
             norm.forward_gated_heads(&t[0].to_dtype(dt).unwrap(), &t[1].to_dtype(dt).unwrap()).unwrap()
         };
         let inputs = [rand(&[3, 70, 4, 96], 30), rand(&[3, 70, 4 * 96], 31), rand(&[96], 32)];
         compare("gated norm by heads", dtype, &inputs, &rand(&[3, 70, 4 * 96], 33), &heads);
+        // Ungated (DeltaNet's output norm), the output laid out [.., heads·n] all the same.
+        let plain_heads = |t: &[Tensor], dt: DType| {
+            let norm = RmsNorm::new(t[1].clone(), 1e-6, NormWeight::Plain).unwrap();
+            norm.forward_heads(&t[0].to_dtype(dt).unwrap()).unwrap()
+        };
+        let inputs = [rand(&[3, 70, 4, 96], 40), rand(&[96], 41)];
+        compare("norm by heads", dtype, &inputs, &rand(&[3, 70, 4 * 96], 42), &plain_heads);
         // A residual step over a frozen SwiGLU MLP as one op (recovery's MLP steps): h and the
         // norm's weight trained, the norm's backward adding the step's output gradient. In bf16
         // it is three products deep, so it is held to the ops it replaces (the norm's op, the

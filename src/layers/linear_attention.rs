@@ -322,11 +322,11 @@ impl LinearAttention {
             return Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?);
         }
         let o = o.to_dtype(x.dtype())?;
+        // The norms by heads lay o out [b, t, v_heads · dv], as the output projection reads it.
         let o = match &self.gate {
-            OutputGate::None => self.norm.forward(&o)?,
+            OutputGate::None => self.norm.forward_heads(&o)?,
             OutputGate::Silu => {
                 let z = p.z.as_ref().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?;
-                // [b, t, v_heads · dv], as the output projection reads it
                 self.norm.forward_gated_heads(&o, z)?
             }
             OutputGate::SigmoidLowRank { g_a, g_b } => {

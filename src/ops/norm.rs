@@ -96,6 +96,27 @@ impl RmsNorm {
         x.contiguous()?.apply_op3_no_bwd(&gate, &weight, &GatedRms { eps: self.eps as f32, gated: true })
     }
 
+    /// [`Self::forward`] per head: x [.., heads, n] normed over n, laid out [.., heads·n] (as the
+    /// output projection reads it). With gradients on a GPU the op writes that layout itself:
+    /// a reshape is a node of candle's graph, whose backward adds its gradient into a fresh zero
+    /// buffer like any other edge.
+    pub fn forward_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        if dims.len() < 2 {
+            candle_core::bail!("norm by heads: x {:?} has no heads", x.shape());
+        }
+        let mut flat = dims[..dims.len() - 2].to_vec();
+        flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
+        let weight = self.weight.get()?;
+        if !super::fusable(&[x, &weight]) && rms_grad_applies(x) {
+            let x = x.contiguous()?;
+            // Ungated, the gate's place is never read: x itself, detached, in the output's shape.
+            let op = GatedRms { eps: self.eps as f32, gated: false };
+            return x.apply_op3(&x.detach().reshape(flat)?, &weight, op);
+        }
+        self.forward(x)?.reshape(flat)
+    }
+
     /// [`Self::forward_gated`] per head: x [.., heads, n] and the gate [.., heads·n], laid out as
     /// the gate (as the output projection reads it). With gradients on a GPU the op reads both as
     /// they are: a reshape is a node of candle's graph, whose backward adds its gradient into a
