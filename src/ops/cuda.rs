@@ -320,8 +320,9 @@ pub struct RmsGrads {
 }
 
 /// The backward of the gated RMSNorm (`rms_bwd` in kernels.cu), writing dx and dg in x's dtype
-/// (no float32 planes to cast afterwards), dx as res + dx where `res` is given (a residual step's input gradient: the step's output gradient
-/// plus the norm's). x, g, dy and res share one dtype and element count.
+/// (no float32 planes to cast afterwards), dx as res + dx where `res` is given (a residual
+/// step's input gradient: the step's output gradient plus the norm's). x, g, dy and res share
+/// one dtype and element count.
 pub fn rms_bwd(
     x: (&CudaStorage, &Layout),
     g: (&CudaStorage, &Layout),

@@ -156,8 +156,8 @@ fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Res
 }
 
 /// The gated RMSNorm as one op over (x, gate, float32 weight): rows of the last dimension,
-/// float32 inside, one rounding to x's dtype, laid out as the gate. The CPU half defines it; the CUDA half is
-/// `gated_rms` in kernels.cu. Ungated (`gated` false), the gate is not read.
+/// float32 inside, one rounding to x's dtype, laid out as the gate. The CPU half defines it;
+/// the CUDA half is `gated_rms` in kernels.cu. Ungated (`gated` false), the gate is not read.
 pub(crate) struct GatedRms {
     eps: f32,
     gated: bool,
@@ -170,8 +170,8 @@ impl GatedRms {
         Self { eps, gated: false }
     }
 
-    /// x and gate of one shape, the weight as wide as their last dimension.
-    /// The gate holds as many elements as x (its shape may group x's last two dimensions).
+    /// The gate as many elements as x (its shape may group x's last dimensions, as a projection
+    /// lays out heads), the weight as wide as x's last dimension.
     fn check(xl: &Layout, gl: &Layout, wl: &Layout) -> Result<()> {
         let n = wl.shape().elem_count();
         if gl.shape().elem_count() != xl.shape().elem_count()
