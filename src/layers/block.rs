@@ -104,22 +104,31 @@ pub struct Step {
 }
 
 impl Step {
-    /// The frozen MLP's stacked gate|up and down weights where this step, on the residual
-    /// stream `h` (plus `pending`, the last step's output), takes `ops::mlp::frozen_mlp_step`:
-    /// a gradient flowing (through h, the step before or the norm's weight), a frozen SwiGLU
-    /// MLP (see `SwiGlu::frozen`) and no residual multiplier. Without gradients the fused
-    /// kernels are faster, and on the CPU the ops are the reference.
-    fn frozen_mlp(&self, h: &Tensor, pending: Option<&Tensor>) -> Result<Option<(&Tensor, &Tensor)>> {
+    /// The norm's applied weight and epsilon, and the frozen MLP's stacked gate|up and down
+    /// weights, where this step, on the residual stream `h` (plus `pending`, the last step's
+    /// output), takes `ops::mlp::frozen_mlp_step`: a gradient flowing (through h, the step before
+    /// or the norm's weight), a frozen SwiGLU MLP (see `SwiGlu::frozen`) and no residual
+    /// multiplier. Without gradients the fused kernels are faster, and on the CPU the ops are
+    /// the reference.
+    fn frozen_mlp(&self, h: &Tensor, pending: Option<&Tensor>) -> Result<Option<FrozenMlp<'_>>> {
         let Sublayer::Mlp(Mlp::SwiGlu(m)) = &self.sublayer else { return Ok(None) };
         if self.scale != 1.0 || h.device().is_cpu() {
             return Ok(None);
         }
-        let (w, _) = self.norm.applied()?;
+        let (w, eps) = self.norm.applied()?;
         if crate::ops::untracked(&[h, &w].into_iter().chain(pending).collect::<Vec<_>>()) {
             return Ok(None);
         }
-        Ok(m.frozen(h))
+        Ok(m.frozen(h).map(|(gate_up, down)| FrozenMlp { norm: (w, eps), gate_up, down }))
     }
+}
+
+/// What [`Step::frozen_mlp`] hands `ops::mlp::frozen_mlp_step`: the norm's applied weight and
+/// epsilon, read once, and the MLP's weights.
+struct FrozenMlp<'a> {
+    norm: (Tensor, f64),
+    gate_up: &'a Tensor,
+    down: &'a Tensor,
 }
 
 /// A decoder layer: its steps in order.
@@ -134,13 +143,12 @@ impl layered::Block for Layer {
         // The last step's output, added into the residual by the next step's norm.
         let mut pending: Option<Tensor> = None;
         for s in &self.steps {
-            if let Some((gate_up, down)) = s.frozen_mlp(&h, pending.as_ref())? {
+            if let Some(FrozenMlp { norm: (w, eps), gate_up, down }) = s.frozen_mlp(&h, pending.as_ref())? {
                 // With gradients, the whole step is one op (see `ops::mlp::frozen_mlp_step`).
                 if let Some(y) = pending.take() {
                     h = (h + y)?;
                 }
                 let _s = span("mlp", dev);
-                let (w, eps) = s.norm.applied()?;
                 h = crate::ops::mlp::frozen_mlp_step(&h, &w, eps, gate_up, down)?;
                 continue;
             }

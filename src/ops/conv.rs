@@ -297,9 +297,7 @@ impl FusedConv {
             super::cuda::conv_bwd(on_gpu(&xs, xl, what)?, on_gpu(&ws, wl, what)?, on_gpu(&ds, dl, what)?, self.act)?
         };
         let none = candle_core::op::BackpropOp::none;
-        let (b, l, c) = x.dims3()?;
-        let k = wb.dim(1)? - 1;
-        let n = c * (k + 1) * b * l.div_ceil(super::cuda::CONV_BWD_TILE);
+        let n = parts.as_cuda_slice::<f32>()?.len();
         let dx = Tensor::from_storage(candle_core::Storage::Cuda(dx), x.shape().clone(), none(), false);
         Ok((dx, Tensor::from_storage(candle_core::Storage::Cuda(parts), n, none(), false)))
     }

@@ -251,31 +251,13 @@ impl CustomOp3 for GatedRms {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let n = w.elem_count();
-        let rows = x.elem_count() / n.max(1);
         let dy = grad.to_dtype(x.dtype())?.contiguous()?;
-        #[cfg(feature = "cuda")]
-        if !x.device().is_cpu() {
-            // dx and dg in x's dtype from the kernel itself.
-            let w = w.detach().contiguous()?;
-            let g = if self.gated { g.to_dtype(x.dtype())?.contiguous()? } else { x.contiguous()? };
-            let (dx, dg, dw) = rms_grads_gpu(&x.contiguous()?, &g, &w, &dy, None, self.eps, self.gated)?;
-            let dg = dg.map(|d| d.reshape(g.shape())?.to_dtype(g.dtype())).transpose()?;
-            return Ok((Some(dx.reshape(x.shape())?), dg, Some(dw.reshape(w.shape())?)));
-        }
-        let op = RmsBwd { eps: self.eps, gated: self.gated, weight: w.detach().contiguous()? };
-        let out = x.contiguous()?.apply_op3_no_bwd(&g.contiguous()?, &dy, &op)?;
-        let dx = out.narrow(0, 0, rows * n)?.reshape(x.shape())?.to_dtype(x.dtype())?;
-        let mut at = rows * n;
-        let dg = if self.gated {
-            at += rows * n;
-            Some(out.narrow(0, rows * n, rows * n)?.reshape(g.shape())?.to_dtype(g.dtype())?)
-        } else {
-            None
-        };
-        let parts = out.narrow(0, at, out.dim(0)? - at)?.reshape(((), n))?;
-        let dw = parts.t()?.contiguous()?.sum(1)?.reshape(w.shape())?;
-        Ok((Some(dx), dg, Some(dw)))
+        // Ungated, the gate is never read: x stands in.
+        let g = if self.gated { g.to_dtype(x.dtype())?.contiguous()? } else { x.contiguous()? };
+        let weight = w.detach().contiguous()?;
+        let (dx, dg, dw) = rms_grads(&x.contiguous()?, &g, &weight, &dy, None, self.eps, self.gated)?;
+        let dg = dg.map(|d| d.reshape(g.shape())).transpose()?;
+        Ok((Some(dx), dg, Some(dw.reshape(w.shape())?)))
     }
 }
 
@@ -303,19 +285,39 @@ pub(crate) fn rms_residual_backward(
         );
     }
     let (h, dy, res) = (h.contiguous()?, dy.to_dtype(h.dtype())?.contiguous()?, res.to_dtype(h.dtype())?.contiguous()?);
-    let w = w.detach().contiguous()?;
+    let (dh, _, dw) = rms_grads(&h, &h, &w.detach().contiguous()?, &dy, Some(&res), eps as f32, false)?;
+    Ok((dh, dw.reshape(w.shape())?))
+}
+
+/// The norm's backward: dx (res + dx where `res` is given) and dgate (gated) in x's dtype, laid
+/// out as x, and dw float32 [n]. x, the gate, dy and res contiguous in x's dtype, w float32. On
+/// a GPU one `rms_bwd` kernel writes all of them; the CPU runs [`RmsBwd`] (the reference) and
+/// rounds once.
+fn rms_grads(
+    x: &Tensor,
+    g: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    res: Option<&Tensor>,
+    eps: f32,
+    gated: bool,
+) -> Result<(Tensor, Option<Tensor>, Tensor)> {
     #[cfg(feature = "cuda")]
-    if !h.device().is_cpu() {
-        let (dh, _, dw) = rms_grads_gpu(&h, &h, &w, &dy, Some(&res), eps as f32, false)?;
-        return Ok((dh, dw.reshape(w.shape())?));
+    if !x.device().is_cpu() {
+        return rms_grads_gpu(x, g, w, dy, res, eps, gated);
     }
-    let op = RmsBwd { eps: eps as f32, gated: false, weight: w.clone() };
-    let out = h.apply_op3_no_bwd(&h, &dy, &op)?;
-    let len = h.elem_count();
-    let dx = out.narrow(0, 0, len)?.reshape(h.shape())?;
-    let dh = (dx + res.to_dtype(DType::F32)?)?.to_dtype(h.dtype())?;
-    let dw = out.narrow(0, len, out.dim(0)? - len)?.reshape(((), n))?.sum(0)?.reshape(w.shape())?;
-    Ok((dh, dw))
+    let op = RmsBwd { eps, gated, weight: w.clone() };
+    let out = x.apply_op3_no_bwd(g, dy, &op)?;
+    let len = x.elem_count();
+    let dx = out.narrow(0, 0, len)?.reshape(x.shape())?;
+    let dx = match res {
+        Some(r) => (dx + r.to_dtype(DType::F32)?)?,
+        None => dx,
+    };
+    let at = if gated { 2 * len } else { len };
+    let dg = gated.then(|| out.narrow(0, len, len)?.reshape(x.shape())?.to_dtype(x.dtype())).transpose()?;
+    let dw = out.narrow(0, at, out.dim(0)? - at)?;
+    Ok((dx.to_dtype(x.dtype())?, dg, dw))
 }
 
 /// dx (res + dx where `res` is given) and dg (gated) in x's dtype, laid out as x, and dw
