@@ -581,9 +581,12 @@ fn prefill_kernels_match_cpu() {
     let tol = |dtype| if dtype == DType::BF16 { 5e-3 } else { 1e-5 };
     let both = |f: &dyn Fn(&Device) -> Tensor| (flat(&f(&cpu)), flat(&f(&gpu)));
     for dtype in [DType::F32, DType::BF16] {
-        for (k, t) in [(4, 37), (2, 16), (10, 5)] {
-            let c = 70;
-            let wide = rand(&[3, t, c + 9], 1.0).to_dtype(dtype).unwrap();
+        // Columns 4.. of rows 79 wide take the scalar kernel; 8.. of rows 88 wide (16-byte
+        // aligned) the vectorised one, which takes K <= 4.
+        for (k, t, col, c, width) in
+            [(4, 37, 4, 70, 79), (2, 16, 4, 70, 79), (10, 5, 4, 70, 79), (4, 37, 8, 72, 88), (3, 5, 8, 72, 88)]
+        {
+            let wide = rand(&[3, t, width], 1.0).to_dtype(dtype).unwrap();
             let conv_w = rand(&[c, 1, k], 0.5).to_dtype(dtype).unwrap();
             let bias = rand(&[c], 0.5).to_dtype(dtype).unwrap();
             // The CPU's candle ops run in float32 on the same values and round once, as the
@@ -598,11 +601,11 @@ fn prefill_kernels_match_cpu() {
                     }
                 };
                 let conv = ShortConv::new(on(&conv_w), Some(on(&bias))).unwrap();
-                let x = on(&wide).narrow(2, 4, c).unwrap();
+                let x = on(&wide).narrow(2, col, c).unwrap();
                 conv.forward_silu_cached(&x, None).unwrap().0.to_dtype(dtype).unwrap()
             });
             let err = common::rel_err(&got, &want);
-            assert!(err < tol(dtype), "conv k {k} t {t} {dtype:?}: {err:.3e}");
+            assert!(err < tol(dtype), "conv k {k} t {t} column {col} {dtype:?}: {err:.3e}");
         }
         for (heads, v_heads, dk, dv) in [(4, 4, 128, 128), (2, 4, 100, 60)] {
             let p = QkvPrep { heads, v_heads, dk, dv, eps: 1e-6 };
@@ -687,15 +690,18 @@ fn conv_and_norm_gradients_match_cpu() {
         }
     };
     for dtype in [DType::F32, DType::BF16] {
-        // Conv: x a slice of a wider matrix, weight [C,1,K] and bias [C] trained.
-        let (b, l, c, k) = (2, 150, 300, 4);
-        let conv = |t: &[Tensor], dt: DType| {
-            let x = t[0].to_dtype(dt).unwrap().narrow(2, 3, c).unwrap();
-            let conv = ShortConv::new(t[1].to_dtype(dt).unwrap(), Some(t[2].to_dtype(dt).unwrap())).unwrap();
-            conv.forward_silu_cached(&x, None).unwrap().0
-        };
-        let inputs = [rand(&[b, l, c + 8], 1), rand(&[c, 1, k], 2), rand(&[c], 3)];
-        compare("conv", dtype, &inputs, &rand(&[b, l, c], 4), &conv);
+        // Conv: x a slice of a wider matrix, weight [C,1,K] and bias [C] trained; at column 3
+        // the scalar kernel, at column 8 (16-byte aligned rows) the vectorised one.
+        for (col, c) in [(3, 300), (8, 296)] {
+            let (b, l, k) = (2, 150, 4);
+            let conv = |t: &[Tensor], dt: DType| {
+                let x = t[0].to_dtype(dt).unwrap().narrow(2, col, c).unwrap();
+                let conv = ShortConv::new(t[1].to_dtype(dt).unwrap(), Some(t[2].to_dtype(dt).unwrap())).unwrap();
+                conv.forward_silu_cached(&x, None).unwrap().0
+            };
+            let inputs = [rand(&[b, l, c + 16], 1), rand(&[c, 1, k], 2), rand(&[c], 3)];
+            compare(&format!("conv at column {col}"), dtype, &inputs, &rand(&[b, l, c], 4), &conv);
+        }
         // Norms: plain (block norms, 1 + w) and gated (the recurrent mixers' output norm).
         for (n, gated, kind) in
             [(2048, false, NormWeight::OnePlus), (130, true, NormWeight::Plain), (256, false, NormWeight::Plain)]

@@ -187,13 +187,22 @@ pub fn conv(
     let t_out = l + pad + 1 - k;
     let n = b * t_out * c;
     let ints = [b, l, t_out, c, k, pad, act as usize].map(|v| v as i32);
+    // 16-byte accesses where every row's channels start 16-byte aligned (`conv_silu_vec`): a
+    // thread per 16 bytes of channels and CONV_VT steps. Otherwise 256 channels per block, one
+    // tile of steps of one sequence per grid row (`conv_silu`).
+    let v = 16 / x.dtype().size_in_bytes();
+    let vec = k <= 4 && c % v == 0 && xs % v == 0 && x0 % v == 0;
     let xs = xs as i64;
-    // 256 channels per block, one tile of steps of one sequence per grid row (see `conv_silu`).
-    let tiles = b * t_out.div_ceil(16);
-    let cfg = LaunchConfig {
-        grid_dim: (c.div_ceil(256) as u32, tiles.clamp(1, 65535) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = if vec {
+        let threads = b * t_out.div_ceil(CONV_VT) * (c / v);
+        LaunchConfig { grid_dim: (threads.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+    } else {
+        let tiles = b * t_out.div_ceil(16);
+        LaunchConfig {
+            grid_dim: (c.div_ceil(256) as u32, tiles.clamp(1, 65535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     };
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
@@ -214,9 +223,15 @@ pub fn conv(
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    let out = per_dtype!(x.dtype(), "conv_silu", "conv", launch);
+    let out = match vec {
+        true => per_dtype!(x.dtype(), "conv_silu_vec", "conv", launch),
+        false => per_dtype!(x.dtype(), "conv_silu", "conv", launch),
+    };
     Ok((out, Shape::from((b, t_out, c))))
 }
+
+/// Steps of one sequence per thread in `conv_silu_vec` (kernels.cu's CONV_VT).
+const CONV_VT: usize = 8;
 
 /// Steps of one sequence per thread in [`conv_bwd`]: the partial sums it leaves are C·(K+1) per
 /// tile, and a longer tile costs its 7 trailing steps less often.
