@@ -90,8 +90,17 @@ fn name(sig: i32) -> &'static str {
 /// Remove this process's staging and exit with 128 + `sig`; `saved` names a partial state kept.
 pub fn exit(sig: i32, saved: Option<&Path>) -> ! {
     let paths = staging();
-    for p in paths.iter() {
-        let _ = if p.is_dir() { std::fs::remove_dir_all(p) } else { std::fs::remove_file(p) };
+    // The other threads write on until the process ends: a file created in a directory while it
+    // is being removed makes the removal fail, leaving it. So remove until nothing is left (a
+    // writer whose directory is gone fails to create files in it and stops adding any).
+    for _ in 0..200 {
+        for p in paths.iter() {
+            let _ = if p.is_dir() { std::fs::remove_dir_all(p) } else { std::fs::remove_file(p) };
+        }
+        if !paths.iter().any(|p| p.exists()) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     for d in created().iter() {
         let _ = std::fs::remove_dir(d);
