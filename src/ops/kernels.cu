@@ -2091,6 +2091,30 @@ template <int S, typename F> __device__ __forceinline__ void tc_each(float acc[S
   }
 }
 
+// f(row, col, x, y) for the element pairs (col, col + 1) of the warp's tiles (col even).
+template <int S, typename F> __device__ __forceinline__ void tc_each_pair(float acc[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    f(m0 + g, n0 + 2 * t, acc[s][0], acc[s][1]);
+    f(m0 + g + 8, n0 + 2 * t, acc[s][2], acc[s][3]);
+  }
+}
+
+// x and y to row[col] and row[col + 1] where those columns are below width (col even): one 8-byte
+// store when both are and the width is even (rows 8-byte aligned), so that a warp's stores fill
+// the 32-byte sectors they touch, where single floats filled half of each.
+__device__ __forceinline__ void tc_store2(float *row, int col, int width, float x, float y) {
+  if ((width & 1) == 0 && col + 1 < width) {
+    *reinterpret_cast<float2 *>(row + col) = make_float2(x, y);
+  } else {
+    if (col < width) row[col] = x;
+    if (col + 1 < width) row[col + 1] = y;
+  }
+}
+
 // chunk_stage at row stride TC_TP, four columns a load where the rows are 16-byte aligned.
 __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, int col0, int valid, int rows,
                                          const float *scale, float *tile) {
@@ -2174,8 +2198,8 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_stage(u, dv, dv, col0, c, INTRA_C, nullptr, tb);
     __syncthreads();
     tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tb), false);
-    tc_each<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x) {
-      if (t < c && col0 + j < dv) o[(long long)t * dv + col0 + j] = x;
+    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+      if (t < c) tc_store2(o + (long long)t * dv, col0 + j, dv, x, y);
     });
     __syncthreads();
   }
@@ -2216,8 +2240,8 @@ extern "C" __global__ void __launch_bounds__(256)
     float x[2][4];
     tc_zero<2>(x);
     tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(ta), false);
-    tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v) {
-      if (j < c && col0 + col < dv) du[(long long)j * dv + col0 + col] = v;
+    tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
+      if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
     });
     __syncthreads();
   }
@@ -2246,8 +2270,8 @@ extern "C" __global__ void __launch_bounds__(256)
       float x[1][4];
       tc_zero<1>(x);
       tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols(ta), tc_rows(tb), false);
-      tc_each<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v) {
-        if (r0 + r < dk && col0 + col < dv) ds[(long long)(r0 + r) * dv + col0 + col] = v;
+      tc_each_pair<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v, float w) {
+        if (r0 + r < dk) tc_store2(ds + (long long)(r0 + r) * dv, col0 + col, dv, v, w);
       });
       __syncthreads();
     }
@@ -2276,11 +2300,12 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_zero<2>(z);
     tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ta), false);
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tb), false);
-    tc_each<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v) {
-      if (t < c && r0 + r < dk) dqk[(long long)t * 2 * dk + r0 + r] = scale * (X[t * TC_TP + r] + v);
+    tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+      const float *xr = X + t * TC_TP + r;
+      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
     });
-    tc_each<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v) {
-      if (t < c && r0 + r < dk) dqk[(long long)t * 2 * dk + dk + r0 + r] = scale * v;
+    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
     });
     __syncthreads();
   }
@@ -2296,8 +2321,8 @@ __device__ void tc_intra_apply(const float *T, const float *src, int width, int 
     float acc[2][4];
     tc_zero<2>(acc);
     tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(tile), false);
-    tc_each<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x) {
-      if (t < c && col0 + j < width) out[(long long)t * width + col0 + j] = x;
+    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+      if (t < c) tc_store2(out + (long long)t * width, col0 + j, width, x, y);
     });
     __syncthreads();
   }
@@ -2459,8 +2484,9 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(tb), false);
     // y and z hold the same elements in the same threads.
     tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
-    tc_each<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x) {
-      if (j < c && col0 + r < dk) dk_out[(long long)j * dk + col0 + r] = ys[j] * X[j * TC_TP + r] + x;
+    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x, float y) {
+      const float *xr = X + j * TC_TP + r;
+      if (j < c) tc_store2(dk_out + (long long)j * dk + col0, r, dk - col0, ys[j] * xr[0] + x, ys[j] * xr[1] + y);
     });
     __syncthreads();
     for (int j = warp; j < c; j += warps) {
