@@ -259,9 +259,9 @@ impl Walk {
         let ds0 = out.narrow(0, d.u_len() + n * d.state_len(), d.state_len())?;
         let u = res.narrow(0, 0, d.u_len())?.reshape((n, bh, c, dv))?;
         let s = res.narrow(0, d.u_len(), n * d.state_len())?.reshape((n, bh, dk, dv))?;
-        // The column sums, batched over every chunk.
-        let dkend = u.matmul(&g.t()?)?; // [N,BH,C,dk]
-                                        // The tensor-core kernel appends its column tiles' partial sums of da and de.
+        // The column sums, batched over every chunk: dKend [N,BH,C,dk].
+        let dkend = super::tf32_products(d.tensor, || u.matmul(&g.t()?))?;
+        // The tensor-core kernel appends its column tiles' partial sums of da and de.
         let base = d.u_len() + (n + 1) * d.state_len();
         let (da, de) = match (out.dim(0)? - base) / (n * bh * (dk + c)) {
             0 => ((&s * &g)?.sum(3)?, (&dkend * k)?.sum(3)?),
@@ -271,7 +271,7 @@ impl Walk {
                 (part(0, dk)?.sum(0)?, part(tiles * n * bh * dk, c)?.sum(0)?)
             }
         };
-        let du_s = d.delta.then(|| du.matmul(&s.t()?)).transpose()?;
+        let du_s = d.delta.then(|| super::tf32_products(d.tensor, || du.matmul(&s.t()?))).transpose()?;
         let dextra = Tensor::cat(&[ds0, da.flatten_all()?, de.flatten_all()?], 0)?;
         crate::profile::mark("backward: walk sums", grad.device());
         Ok((du, du_s, dkend, dextra))

@@ -60,7 +60,6 @@ pub(crate) struct WalkDims {
     pub delta: bool,
     /// Whether the GPU may run the products on tensor cores (TF32 operands, float32 sums): the
     /// recurrence's inputs were bf16 or f16, so their rounding already exceeds TF32's.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub tensor: bool,
 }
 

@@ -150,6 +150,23 @@ pub fn without_gradients<R>(f: impl FnOnce() -> R) -> R {
     out
 }
 
+/// `f` with cuBLAS allowed TF32 operands in its float32 products when `on`: for products over
+/// values the tensor-core chunk kernels already read as TF32, where full float32 ran on CUDA
+/// cores at a third of the speed. The setting is the process's; it is restored afterwards.
+pub(crate) fn tf32_products<R>(on: bool, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    #[cfg(feature = "cuda")]
+    if on {
+        use candle_core::cuda_backend::{gemm_reduced_precision_f32, set_gemm_reduced_precision_f32};
+        let before = gemm_reduced_precision_f32();
+        set_gemm_reduced_precision_f32(true);
+        let out = f();
+        set_gemm_reduced_precision_f32(before);
+        return out;
+    }
+    let _ = on;
+    f()
+}
+
 /// Softmax over the last dimension. candle's one-kernel `softmax_last_dim` has no backward, so a
 /// tracked input takes separate ops, with the row maximum held constant: softmax does not depend
 /// on it, and its backward then has no path through the maximum to cancel.
