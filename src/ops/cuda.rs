@@ -867,6 +867,22 @@ fn layout_config(rows: i32) -> LaunchConfig {
     LaunchConfig { grid_dim: ((rows as u32).div_ceil(8), 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 }
 }
 
+/// Whether a layout kernel may take its 16-byte form (`*_chunks_vec_*`): d, the chunk width,
+/// the column offset and the model-layout side's and chunk side's element offsets all multiples
+/// of 4.
+fn layout_vec(l: &ChunkLayout, offsets: [usize; 2]) -> bool {
+    [l.d, l.width, l.off, offsets[0], offsets[1]].iter().all(|v| v % 4 == 0)
+}
+
+/// The 16-byte form's launch: rows of g = d / 4 < 32 column groups share a warp (32 / g rows),
+/// `LAYOUT_ROWS` (8) warps a block (kernels.cu's `layout_vec_lane`).
+fn layout_vec_config(rows: i32, d: usize) -> LaunchConfig {
+    let g = d / 4;
+    let per_warp = if g < 32 { 32 / g.max(1) } else { 1 };
+    let grid = (rows as u32).div_ceil(8 * per_warp as u32);
+    LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 }
+}
+
 /// `to_chunks_*`: each model-layout input into its columns of one chunk-layout float32 buffer
 /// (see `ops::chunk_layout`); together the inputs cover every column.
 pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
@@ -878,6 +894,8 @@ pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
     for (l, x) in parts {
         let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
         let rows = layout_rows(l.n() * l.b * l.h * l.c)?;
+        let vec = layout_vec(l, [x.1.start_offset(), 0]);
+        let cfg = if vec { layout_vec_config(rows, l.d) } else { layout_config(rows) };
         macro_rules! launch {
             ($ty:ty, $name:expr) => {{
                 let xv = view::<$ty>(*x, "to chunks")?;
@@ -890,10 +908,13 @@ pub fn to_chunks(parts: &[(ChunkLayout, Input)]) -> Result<CudaStorage> {
                 }
                 builder.arg(&rows);
                 // SAFETY: argument list matches `to_chunks_*` in kernels.cu; out sized by the layout.
-                unsafe { builder.launch(layout_config(rows)) }.w()?;
+                unsafe { builder.launch(cfg) }.w()?;
             }};
         }
-        per_dtype!(x.0.dtype(), "to_chunks", "to chunks", launch);
+        match vec {
+            true => per_dtype!(x.0.dtype(), "to_chunks_vec", "to chunks", launch),
+            false => per_dtype!(x.0.dtype(), "to_chunks", "to chunks", launch),
+        }
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
@@ -905,6 +926,8 @@ pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorag
     let yv = view::<f32>(y, "from chunks")?;
     let ints = [l.b, l.t, l.h, l.d, l.c, l.width, l.off].map(|v| v as i32);
     let rows = layout_rows(l.b * l.t * l.h)?;
+    let vec = layout_vec(l, [0, y.1.start_offset()]);
+    let cfg = if vec { layout_vec_config(rows, l.d) } else { layout_config(rows) };
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             // SAFETY: the kernel writes every model-layout element.
@@ -918,11 +941,14 @@ pub fn from_chunks(l: &ChunkLayout, y: Input, dtype: DType) -> Result<CudaStorag
             }
             builder.arg(&rows);
             // SAFETY: argument list matches `from_chunks_*` in kernels.cu.
-            unsafe { builder.launch(layout_config(rows)) }.w()?;
+            unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
-    Ok(per_dtype!(dtype, "from_chunks", "from chunks", launch))
+    Ok(match vec {
+        true => per_dtype!(dtype, "from_chunks_vec", "from chunks", launch),
+        false => per_dtype!(dtype, "from_chunks", "from chunks", launch),
+    })
 }
 
 /// `chunk_join_keys`: the key columns of dqk [rows, 2 dk] gain dki (when given) and diag(e)
