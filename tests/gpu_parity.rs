@@ -691,16 +691,17 @@ fn conv_and_norm_gradients_match_cpu() {
     };
     for dtype in [DType::F32, DType::BF16] {
         // Conv: x a slice of a wider matrix, weight [C,1,K] and bias [C] trained; at column 3
-        // the scalar kernel, at column 8 (16-byte aligned rows) the vectorised one.
-        for (col, c) in [(3, 300), (8, 296)] {
-            let (b, l, k) = (2, 150, 4);
+        // the scalar forward, at column 8 (16-byte aligned rows) the vectorised one. The
+        // backward walks a four-step window for K <= 4 and an eight-step one above.
+        for (col, c, k) in [(3, 300, 4), (8, 296, 3), (3, 300, 6)] {
+            let (b, l) = (2, 150);
             let conv = |t: &[Tensor], dt: DType| {
                 let x = t[0].to_dtype(dt).unwrap().narrow(2, col, c).unwrap();
                 let conv = ShortConv::new(t[1].to_dtype(dt).unwrap(), Some(t[2].to_dtype(dt).unwrap())).unwrap();
                 conv.forward_silu_cached(&x, None).unwrap().0
             };
             let inputs = [rand(&[b, l, c + 16], 1), rand(&[c, 1, k], 2), rand(&[c], 3)];
-            compare(&format!("conv at column {col}"), dtype, &inputs, &rand(&[b, l, c], 4), &conv);
+            compare(&format!("conv at column {col}, K {k}"), dtype, &inputs, &rand(&[b, l, c], 4), &conv);
         }
         // Norms: plain (block norms, 1 + w) and gated (the recurrent mixers' output norm).
         for (n, gated, kind) in

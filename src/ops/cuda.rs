@@ -279,7 +279,11 @@ pub fn conv_bwd(
             (CudaStorage::wrap_cuda_slice(dx, dev.clone()), CudaStorage::wrap_cuda_slice(part, dev))
         }};
     }
-    Ok(per_dtype!(x.dtype(), "conv_silu_bwd", "conv backward", launch))
+    // K <= 4 walks a four-step window in fewer registers (kernels.cu's W).
+    Ok(match k <= 4 {
+        true => per_dtype!(x.dtype(), "conv_silu_bwd4", "conv backward", launch),
+        false => per_dtype!(x.dtype(), "conv_silu_bwd", "conv backward", launch),
+    })
 }
 
 /// Gated RMSNorm of rows [rows, n] of x and gate (one dtype) with a float32 weight [n]; output

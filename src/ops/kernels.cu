@@ -180,12 +180,15 @@ CONV_VEC(conv_silu_vec_f16, __half)
 
 // The backward of conv_silu's causal form (pad = K - 1, T_out = L, K <= 8): with
 // pre[t] = bias + sum_i w[i] x[t-K+1+i] and y = silu(pre) (or pre), it writes dx [B, L, C] in
-// x's dtype (the layer's gradient needs no cast afterwards) and, per tile of `tt` steps of one sequence, the partial sums of dw and dbias
+// x's dtype (the layer's gradient needs no cast afterwards) and, per tile of `tt` steps of one
+// sequence, the partial sums of dw and dbias
 // (part[(c*(K+1) + i) * ntiles + tile], i = K for the bias), which the caller adds up. One
-// thread per channel walks its tile once: dpre is recomputed from a sliding window of x, and
-// dx[s] = sum_i w[i] dpre[s+K-1-i] is emitted 7 steps behind, when its dpre are all known.
-// Slot j of the windows holds step t - 7 + j (tap i = j - (8 - K)), so every index is static.
-template <typename T>
+// thread per channel walks its tile once: dpre is recomputed from a sliding window of W >= K
+// steps of x, and dx[s] = sum_i w[i] dpre[s+K-1-i] is emitted W - 1 steps behind, when its dpre
+// are all known. Slot j of the windows holds step t - (W - 1) + j (tap i = j - (W - K)), so
+// every index is static. W = 4 serves K <= 4 (every released model's conv) within 64 registers
+// (four blocks an SM) where W = 8 took 96 (two): twice the warps to hide the loads behind.
+template <typename T, int W>
 __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float *__restrict__ wb,
                               const T *__restrict__ dy, T *__restrict__ dx, float *__restrict__ part, int B, int L,
                               int C, int K, int act, int tt) {
@@ -193,10 +196,10 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
   if (c >= C) return;
   const int tiles = (L + tt - 1) / tt;
   const long long ntiles = (long long)B * tiles;
-  float wr[8];
+  float wr[W];
 #pragma unroll
-  for (int j = 0; j < 8; j++) {
-    const int i = j - (8 - K);
+  for (int j = 0; j < W; j++) {
+    const int i = j - (W - K);
     wr[j] = i >= 0 ? wb[c * (K + 1) + i] : 0.0f;
   }
   const float bc = wb[c * (K + 1) + K];
@@ -206,16 +209,16 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
     const T *gb = dy + (long long)b * L * C + c;
     T *dxb = dx + (long long)b * L * C + c;
     auto in = [&](int s) { return (s >= 0 && s < L) ? to_f(xb[(long long)s * xs]) : 0.0f; };
-    float xw[8], dq[8], dwr[8], dbias = 0.0f;
+    float xw[W], dq[W], dwr[W], dbias = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-      xw[j] = j > 0 ? in(t0 - 8 + j) : 0.0f;
+    for (int j = 0; j < W; j++) {
+      xw[j] = j > 0 ? in(t0 - W + j) : 0.0f;
       dq[j] = 0.0f;
       dwr[j] = 0.0f;
     }
     // Eight steps at a time: their inputs and gradients are loaded together first, so the loads
     // overlap instead of each waiting behind the previous step's store.
-    for (int tb = t0; tb < t1 + 7; tb += 8) {
+    for (int tb = t0; tb < t1 + W - 1; tb += 8) {
       float xg[8], dg[8];
 #pragma unroll
       for (int u = 0; u < 8; u++) {
@@ -225,52 +228,56 @@ __device__ void conv_silu_bwd(const T *__restrict__ x, long long xs, const float
 #pragma unroll
       for (int u = 0; u < 8; u++) {
         const int t = tb + u;
-        if (t >= t1 + 7) break;
+        if (t >= t1 + W - 1) break;
 #pragma unroll
-        for (int j = 0; j < 7; j++) {
+        for (int j = 0; j < W - 1; j++) {
           xw[j] = xw[j + 1];
           dq[j] = dq[j + 1];
         }
-        xw[7] = xg[u];
+        xw[W - 1] = xg[u];
         float d = dg[u];
         if (t < L && act) {
           float pre = bc;
 #pragma unroll
-          for (int j = 0; j < 8; j++) pre += wr[j] * xw[j];
+          for (int j = 0; j < W; j++) pre += wr[j] * xw[j];
           const float s = 1.0f / (1.0f + expf(-pre));
           d *= s * (1.0f + pre * (1.0f - s));
         }
-        dq[7] = d;
+        dq[W - 1] = d;
         if (t < t1) {
 #pragma unroll
-          for (int j = 0; j < 8; j++) dwr[j] += d * xw[j];
+          for (int j = 0; j < W; j++) dwr[j] += d * xw[j];
           dbias += d;
         }
-        const int s = t - 7;
+        const int s = t - (W - 1);
         if (s >= t0) {
           float acc = 0.0f;
 #pragma unroll
-          for (int j = 0; j < 8; j++) acc += wr[j] * dq[7 - j];
+          for (int j = 0; j < W; j++) acc += wr[j] * dq[W - 1 - j];
           dxb[(long long)s * C] = from_f<T>(acc);
         }
       }
     }
     float *pc = part + (long long)c * (K + 1) * ntiles + bt;
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-      if (j >= 8 - K) pc[(long long)(j - (8 - K)) * ntiles] = dwr[j];
+    for (int j = 0; j < W; j++)
+      if (j >= W - K) pc[(long long)(j - (W - K)) * ntiles] = dwr[j];
     pc[(long long)K * ntiles] = dbias;
   }
 }
 
-#define CONV_BWD(NAME, T)                                                                             \
-  extern "C" __global__ void NAME(const T *x, long long xs, const float *wb, const T *dy, T *dx, float *part, \
+#define CONV_BWD(NAME, T, W, BOUNDS)                                                                  \
+  extern "C" __global__ void BOUNDS NAME(const T *x, long long xs, const float *wb, const T *dy, T *dx, float *part, \
                                   int B, int L, int C, int K, int act, int tt) {                     \
-    conv_silu_bwd<T>(x, xs, wb, dy, dx, part, B, L, C, K, act, tt);                                   \
+    conv_silu_bwd<T, W>(x, xs, wb, dy, dx, part, B, L, C, K, act, tt);                                \
   }
-CONV_BWD(conv_silu_bwd_f32, float)
-CONV_BWD(conv_silu_bwd_bf16, __nv_bfloat16)
-CONV_BWD(conv_silu_bwd_f16, __half)
+#define CONV_BWD4_BOUNDS __launch_bounds__(256, 4)
+CONV_BWD(conv_silu_bwd_f32, float, 8, )
+CONV_BWD(conv_silu_bwd_bf16, __nv_bfloat16, 8, )
+CONV_BWD(conv_silu_bwd_f16, __half, 8, )
+CONV_BWD(conv_silu_bwd4_f32, float, 4, CONV_BWD4_BOUNDS)
+CONV_BWD(conv_silu_bwd4_bf16, __nv_bfloat16, 4, CONV_BWD4_BOUNDS)
+CONV_BWD(conv_silu_bwd4_f16, __half, 4, CONV_BWD4_BOUNDS)
 
 // Gated RMSNorm over rows of width n: y = x / sqrt(mean(x²) + eps) · w · silu(g), in float32,
 // rounded once to T (fla FusedRMSNormGated, Qwen3.5's gated norm). One warp per row.
