@@ -797,8 +797,11 @@ fn conv_and_norm_gradients_match_cpu() {
         };
         compare("frozen projection", dtype, &[rand(&[3, 70, 96], 17)], &rand(&[3, 70, 40], 18), &proj);
         // The recurrence's inputs from the conv's rows (a column slice): q/k-style heads (L2-normed
-        // into float32, repeated for two value heads, a pruned width) and v-style (copied).
-        for (off, heads, d, rep, norm) in [(4, 3, 48, 2, Some(1e-6f32)), (100, 2, 40, 1, None)] {
+        // into float32, repeated for two value heads, a pruned width) and v-style (copied); even
+        // widths and offsets take the kernels' column pairs, the odd ones single columns.
+        for (off, heads, d, rep, norm) in
+            [(4, 3, 48, 2, Some(1e-6f32)), (100, 2, 40, 1, None), (5, 2, 47, 1, Some(1e-6))]
+        {
             let f = move |t: &[Tensor], dt: DType| {
                 let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
                 statecut::ops::prep::Heads { off, heads, d, rep, norm }.run(&rows).unwrap()

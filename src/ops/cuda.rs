@@ -790,7 +790,11 @@ pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Hea
             }
         }};
     }
-    Ok(per_dtype!(x.dtype(), "heads_fwd", "heads", launch))
+    // Pairs of columns a lane where every access stays aligned to them.
+    Ok(match [p.d, p.off, offset, xs as usize].iter().all(|v| v % 2 == 0) {
+        true => per_dtype!(x.dtype(), "heads_fwd2", "heads", launch),
+        false => per_dtype!(x.dtype(), "heads_fwd", "heads", launch),
+    })
 }
 
 /// `heads_bwd` in kernels.cu: d(x) into `out` from element `at` on, [rows, c] in x's dtype, from
@@ -837,7 +841,10 @@ pub fn heads_bwd_into(
             unsafe { builder.launch(cfg) }.w()?;
         }};
     }
-    per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch);
+    match [p.d, p.off, offset, xs as usize, c, at, da].iter().all(|v| v % 2 == 0) {
+        true => per_dtype!(x.dtype(), "heads_bwd2", "heads backward", launch),
+        false => per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch),
+    }
     Ok(())
 }
 

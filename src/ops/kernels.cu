@@ -1142,7 +1142,17 @@ QKV_PREP(qkv_prep_f16, __half)
 // dx [rows, C] as T (allocated zero: only the heads' columns are written) from dy [rows, H·rep,
 // d] (float32 when `norm`, else T): g = Σ over the copies, and with the norm
 // dx = (g − y (y·g)) / n for y = x / n, n = sqrt(Σx² + eps). One warp per (row, head).
-template <typename T>
+// P elements of T at once (P·sizeof(T)-byte aligned, which the caller checks).
+template <typename T, int P> struct __align__(P * sizeof(T)) PackN {
+  T v[P];
+};
+template <typename T, int P> __device__ __forceinline__ PackN<T, P> load_n(const T *p) {
+  return *reinterpret_cast<const PackN<T, P> *>(p);
+}
+
+// P = 2: every lane moves pairs of columns (d, the row stride and every offset even), a warp
+// twice the bytes an access of P = 1's single columns.
+template <typename T, int P>
 __device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *__restrict__ out, long long rows,
                           int H, int d, int rep, int norm, float eps) {
   const int lane = threadIdx.x & 31;
@@ -1155,26 +1165,30 @@ __device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *
   float n = 1.0f;
   if (norm) {
     float ss = 0.0f;
-    for (int i = lane; i < d; i += 32) {
-      const float v = to_f(xr[i]);
-      ss += v * v;
+    for (int i = P * lane; i < d; i += 32 * P) {
+      const PackN<T, P> p = load_n<T, P>(xr + i);
+#pragma unroll
+      for (int e = 0; e < P; e++) ss += to_f(p.v[e]) * to_f(p.v[e]);
     }
     ss = warp_sum(ss);
     n = sqrtf(ss + eps);
   }
-  for (int i = lane; i < d; i += 32) {
-    const float v = to_f(xr[i]);
+  for (int i = P * lane; i < d; i += 32 * P) {
+    const PackN<T, P> p = load_n<T, P>(xr + i);
     for (int j = 0; j < rep; j++) {
       if (norm) {
-        static_cast<float *>(out)[o + j * d + i] = v / n;
+        PackN<float, P> y;
+#pragma unroll
+        for (int e = 0; e < P; e++) y.v[e] = to_f(p.v[e]) / n;
+        *reinterpret_cast<PackN<float, P> *>(static_cast<float *>(out) + o + j * d + i) = y;
       } else {
-        static_cast<T *>(out)[o + j * d + i] = xr[i];
+        *reinterpret_cast<PackN<T, P> *>(static_cast<T *>(out) + o + j * d + i) = p;
       }
     }
   }
 }
 
-template <typename T>
+template <typename T, int P>
 __device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const void *__restrict__ dy,
                           T *__restrict__ dx, long long rows, int C, int H, int d, int rep, int norm, float eps) {
   const int lane = threadIdx.x & 31;
@@ -1185,38 +1199,69 @@ __device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const 
   const T *xr = x + row * xs + off + (long long)h * d;
   const long long o = (row * H + h) * (long long)rep * d;
   T *out = dx + row * C + off + (long long)h * d;
-  auto grad = [&](int i) {
-    float g = 0.0f;
-    for (int j = 0; j < rep; j++)
-      g += norm ? static_cast<const float *>(dy)[o + j * d + i] : to_f(static_cast<const T *>(dy)[o + j * d + i]);
-    return g;
+  // g = the output gradient at columns i..i+P, summed over the copies.
+  auto grad = [&](int i, float g[P]) {
+#pragma unroll
+    for (int e = 0; e < P; e++) g[e] = 0.0f;
+    for (int j = 0; j < rep; j++) {
+      if (norm) {
+        const PackN<float, P> q = load_n<float, P>(static_cast<const float *>(dy) + o + j * d + i);
+#pragma unroll
+        for (int e = 0; e < P; e++) g[e] += q.v[e];
+      } else {
+        const PackN<T, P> q = load_n<T, P>(static_cast<const T *>(dy) + o + j * d + i);
+#pragma unroll
+        for (int e = 0; e < P; e++) g[e] += to_f(q.v[e]);
+      }
+    }
   };
+  float g[P];
+  PackN<T, P> r;
   if (!norm) {
-    for (int i = lane; i < d; i += 32) out[i] = from_f<T>(grad(i));
+    for (int i = P * lane; i < d; i += 32 * P) {
+      grad(i, g);
+#pragma unroll
+      for (int e = 0; e < P; e++) r.v[e] = from_f<T>(g[e]);
+      *reinterpret_cast<PackN<T, P> *>(out + i) = r;
+    }
     return;
   }
   float ss = 0.0f, dot = 0.0f;
-  for (int i = lane; i < d; i += 32) {
-    const float v = to_f(xr[i]);
-    ss += v * v;
-    dot += v * grad(i);
+  for (int i = P * lane; i < d; i += 32 * P) {
+    const PackN<T, P> p = load_n<T, P>(xr + i);
+    grad(i, g);
+#pragma unroll
+    for (int e = 0; e < P; e++) {
+      const float v = to_f(p.v[e]);
+      ss += v * v;
+      dot += v * g[e];
+    }
   }
   ss = warp_sum(ss);
   dot = warp_sum(dot);
   const float n = sqrtf(ss + eps), yg = dot / n;
-  for (int i = lane; i < d; i += 32) out[i] = from_f<T>((grad(i) - to_f(xr[i]) / n * yg) / n);
+  for (int i = P * lane; i < d; i += 32 * P) {
+    const PackN<T, P> p = load_n<T, P>(xr + i);
+    grad(i, g);
+#pragma unroll
+    for (int e = 0; e < P; e++) r.v[e] = from_f<T>((g[e] - to_f(p.v[e]) / n * yg) / n);
+    *reinterpret_cast<PackN<T, P> *>(out + i) = r;
+  }
 }
 
-#define HEADS(SUFFIX, T)                                                                            \
-  extern "C" __global__ void heads_fwd_##SUFFIX(const T *x, long long xs, int off, void *out, long long rows, \
-                                                int H, int d, int rep, int norm, float eps) {      \
-    heads_fwd<T>(x, xs, off, out, rows, H, d, rep, norm, eps);                                      \
+#define HEADS_P(SUFFIX, T, P, FWD, BWD)                                                             \
+  extern "C" __global__ void FWD##_##SUFFIX(const T *x, long long xs, int off, void *out, long long rows, \
+                                            int H, int d, int rep, int norm, float eps) {          \
+    heads_fwd<T, P>(x, xs, off, out, rows, H, d, rep, norm, eps);                                   \
   }                                                                                                 \
-  extern "C" __global__ void heads_bwd_##SUFFIX(const T *x, long long xs, int off, const void *dy, T *dx,  \
-                                                long long rows, int C, int H, int d, int rep, int norm, \
-                                                float eps) {                                       \
-    heads_bwd<T>(x, xs, off, dy, dx, rows, C, H, d, rep, norm, eps);                                \
+  extern "C" __global__ void BWD##_##SUFFIX(const T *x, long long xs, int off, const void *dy, T *dx,  \
+                                            long long rows, int C, int H, int d, int rep, int norm, \
+                                            float eps) {                                           \
+    heads_bwd<T, P>(x, xs, off, dy, dx, rows, C, H, d, rep, norm, eps);                             \
   }
+#define HEADS(SUFFIX, T)                      \
+  HEADS_P(SUFFIX, T, 1, heads_fwd, heads_bwd) \
+  HEADS_P(SUFFIX, T, 2, heads_fwd2, heads_bwd2)
 HEADS(f32, float)
 HEADS(bf16, __nv_bfloat16)
 HEADS(f16, __half)
