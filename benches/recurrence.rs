@@ -4,10 +4,14 @@
 //!
 //!   recurrence [--shape B,T,H,DK,DV] [--decay none|head|channel] [--rule delta|plain]
 //!              [--dtype bf16|f32] [--device cuda|cpu] [--iterations N] [--forms LIST]
+//!              [--grad sum|seed]
 //!
 //! Keys are L2-normalised and β ∈ (0, 1) before the clock starts, as a model's mixer feeds them;
 //! the time is the recurrence's, from its inputs to its output (and back to their gradients),
-//! synchronised, the median of `--iterations` after one untimed run.
+//! synchronised, the median of `--iterations` after one untimed run. The backward starts from
+//! a random output gradient w: `--grad sum` (the default) differentiates sum(o · w) in float32
+//! through candle's ops, `--grad seed` hands w to o directly (`ops::seed_gradient`), as
+//! PyTorch's `o.backward(w)` does, so that the time is the recurrence's alone.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -22,6 +26,7 @@ struct Opts {
     device: Device,
     iterations: usize,
     forms: Vec<String>,
+    seed: bool,
 }
 
 fn opts() -> Result<Opts> {
@@ -33,6 +38,7 @@ fn opts() -> Result<Opts> {
         device: Device::Cpu,
         iterations: 5,
         forms: ["chunked-kernels", "chunked", "fused"].map(String::from).to_vec(),
+        seed: false,
     };
     let mut device = "cuda".to_string();
     let mut args = std::env::args().skip(1);
@@ -65,8 +71,15 @@ fn opts() -> Result<Opts> {
             "--device" => device = val()?,
             "--iterations" => o.iterations = val()?.parse()?,
             "--forms" => o.forms = val()?.split(',').map(String::from).collect(),
+            "--grad" => {
+                o.seed = match val()?.as_str() {
+                    "sum" => false,
+                    "seed" => true,
+                    g => bail!("--grad {g}: sum or seed"),
+                }
+            }
             "--help" | "-h" => {
-                println!("{}", include_str!("recurrence.rs").lines().take(9).collect::<Vec<_>>().join("\n"));
+                println!("{}", include_str!("recurrence.rs").lines().take(13).collect::<Vec<_>>().join("\n"));
                 std::process::exit(0);
             }
             _ => bail!("unknown argument {a} (see --help)"),
@@ -113,6 +126,8 @@ fn main() -> Result<()> {
         (candle_nn::ops::sigmoid(&rand(&[b, t, h, dk])?)? * -0.1)?,
     ];
     let w = rand(&[b, t, h, dv])?;
+    // The seeded gradient in the values' dtype, which o takes, cast before the clock starts.
+    let w_seed = w.to_dtype(o.dtype)?;
     for form in &o.forms {
         let kernel = kernel(form)?;
         for backward in [false, true] {
@@ -136,9 +151,12 @@ fn main() -> Result<()> {
                 };
                 let out = Kernel::scoped(kernel, || rec.forward())?;
                 if backward {
-                    // Summed by rows first: candle's whole-tensor sum runs in one block, which
-                    // would time the loss (6 ms at 16 x 2048 x 16 x 128) rather than the rule.
-                    let grads = (out.to_dtype(DType::F32)? * &w)?.sum(3)?.sum_all()?.backward()?;
+                    let grads = match o.seed {
+                        true => statecut::ops::seed_gradient(&out, &w_seed)?.backward()?,
+                        // Summed by rows first: candle's whole-tensor sum runs in one block, which
+                        // would time the loss (6 ms at 16 x 2048 x 16 x 128) rather than the rule.
+                        false => (out.to_dtype(DType::F32)? * &w)?.sum(3)?.sum_all()?.backward()?,
+                    };
                     // The gradients are computed once they exist; reading one keeps them alive.
                     grads.get(vars[0].as_tensor()).context("no gradient reached q")?;
                 }
@@ -157,6 +175,7 @@ fn main() -> Result<()> {
                 "ms": median(times.clone()), "runs_ms": times,
                 "b": b, "t": t, "h": h, "dk": dk, "dv": dv, "decay": o.decay,
                 "rule": format!("{:?}", o.rule).to_lowercase(), "dtype": format!("{:?}", o.dtype).to_lowercase(),
+                "grad": if o.seed { "seed" } else { "sum" },
             });
             println!("{line}");
         }

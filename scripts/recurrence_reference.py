@@ -1,7 +1,7 @@
 """fla's chunk kernels alone, forward and forward + backward, at the shapes benches/recurrence.rs
 times statecut's forms at: one JSON line per kernel and pass.
 
-    python3 scripts/recurrence_reference.py --shape 16,2048,16,128,128 --decay none|head|channel
+    python3 scripts/recurrence_reference.py --shape 16,2048,16,128,128 --decay none|head|channel [--grad sum|seed]
 
 Inputs match the statecut bench: q and k L2-normalised before the clock starts (fla's
 `use_qk_l2norm_in_kernel` is off), beta = sigmoid, log decay g = -0.1 sigmoid (per head, or per key
@@ -23,6 +23,9 @@ def main():
     ap.add_argument("--shape", default="16,2048,16,128,128")
     ap.add_argument("--decay", default="none", choices=["none", "head", "channel"])
     ap.add_argument("--iterations", type=int, default=5)
+    # sum: backward of sum(o.float() * w); seed: o.backward(w), the output gradient alone
+    # (benches/recurrence.rs --grad takes the same two).
+    ap.add_argument("--grad", default="sum", choices=["sum", "seed"])
     a = ap.parse_args()
     b, t, h, dk, dv = map(int, a.shape.split(","))
     torch.manual_seed(0)
@@ -32,6 +35,7 @@ def main():
     v = torch.randn(b, t, h, dv, device=dev).to(bf)
     beta = torch.sigmoid(torch.randn(b, t, h, device=dev)).to(bf)
     w = torch.randn(b, t, h, dv, device=dev)
+    w_seed = w.to(bf)
     if a.decay == "none":
         from fla.ops.delta_rule import chunk_delta_rule
 
@@ -57,11 +61,13 @@ def main():
 
         def run():
             o = fn(*xs)[0]
-            if backward:
+            if backward and a.grad == "seed":
+                o.backward(w_seed)
+            elif backward:
                 (o.float() * w).sum().backward()
 
         line = {"form": f"fla {name}", "pass": "forward+backward" if backward else "forward", "b": b, "t": t,
-                "h": h, "dk": dk, "dv": dv, "decay": a.decay, "dtype": "bf16"}
+                "h": h, "dk": dk, "dv": dv, "decay": a.decay, "dtype": "bf16", "grad": a.grad}
         try:
             for _ in range(2):
                 run()
