@@ -108,6 +108,17 @@ fn check_all(m: &Mat<f64>, k: usize, f: f64) -> Result<RrqrSelection, TestCaseEr
     Ok(sel)
 }
 
+/// A numerical-rank refusal holds when the matrix is rank-deficient to the tolerance: pivoted
+/// QR stops at a pivot |r_kk| below 1e-12 |r_11| (|r_11| <= sigma_1), and then sigma_k <=
+/// sqrt(n - k + 1) |r_kk|, since the pivot is the largest column norm of the trailing block.
+fn refusal_is_justified(m: &Mat<f64>, k: usize, msg: &str) -> Result<(), TestCaseError> {
+    prop_assert!(msg.contains("numerical rank"), "refused for another reason: {}", msg);
+    let sv = singular_values(m.as_ref()).map_err(|e| TestCaseError::fail(format!("{e:#}")))?;
+    let bound = 2.0 * (m.ncols() as f64).sqrt() * 1e-12 * sv[0];
+    prop_assert!(sv[k - 1] <= bound, "refused with sigma_k {} above {}: {}", sv[k - 1], bound, msg);
+    Ok(())
+}
+
 fn f_strategy() -> impl Strategy<Value = f64> {
     prop_oneof![Just(1.01), Just(1.1), Just(1.5), Just(2.0), 1.001f64..4.0]
 }
@@ -139,6 +150,14 @@ proptest! {
         f in f_strategy(),
     ) {
         let m = low_rank_plus_noise(n + extra, n, r, 10f64.powi(-noise_exp), seed);
+        // Past the product's rank the noise alone carries the last k - r columns, and it can
+        // leave the matrix numerically rank-deficient: a refusal must then be justified.
+        if k > r {
+            if let Err(e) = strong_rrqr(m.as_ref(), k, &RrqrOptions { f }) {
+                refusal_is_justified(&m, k, &format!("{e:#}"))?;
+                return Ok(());
+            }
+        }
         check_all(&m, k, f)?;
     }
 
@@ -180,6 +199,15 @@ proptest! {
 /// plain pivoted qr keeps the kahan matrix in natural order and leaves the
 /// large last pivot in `C_k`, violating the strong-rrqr bound for small f;
 /// strong rrqr swaps until the bound holds.
+/// A case the low-rank property met on CI: rank 8 plus 1e-8 noise, square 10 x 10, k = 10. Its
+/// tenth singular value is below the rank tolerance, and the refusal says so.
+#[test]
+fn low_rank_refusal_at_the_tolerance() {
+    let m = low_rank_plus_noise(10, 10, 8, 1e-8, 12130856718102937691);
+    let err = strong_rrqr(m.as_ref(), 10, &RrqrOptions { f: 1.1 }).expect_err("numerically rank 9");
+    refusal_is_justified(&m, 10, &format!("{err:#}")).unwrap();
+}
+
 #[test]
 fn kahan_defeats_pivoted_qr_but_not_strong_rrqr() {
     let f = 1.01;
