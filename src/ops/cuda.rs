@@ -878,18 +878,18 @@ fn layout_config(rows: i32) -> LaunchConfig {
     LaunchConfig { grid_dim: ((rows as u32).div_ceil(8), 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 }
 }
 
-/// Whether a layout kernel may take its 16-byte form (`*_chunks_vec_*`): d, the chunk width,
-/// the column offset and the model-layout side's and chunk side's element offsets all multiples
-/// of 4.
+/// Whether a layout kernel may take its 16-byte form (`*_chunks_vec_*`): d nonzero (its lanes
+/// divide 32 by d / 4), and d, the chunk width, the column offset and the model-layout side's and
+/// chunk side's element offsets all multiples of 4.
 fn layout_vec(l: &ChunkLayout, offsets: [usize; 2]) -> bool {
-    [l.d, l.width, l.off, offsets[0], offsets[1]].iter().all(|v| v % 4 == 0)
+    l.d > 0 && [l.d, l.width, l.off, offsets[0], offsets[1]].iter().all(|v| v % 4 == 0)
 }
 
 /// The 16-byte form's launch: rows of g = d / 4 < 32 column groups share a warp (32 / g rows),
 /// `LAYOUT_ROWS` (8) warps a block (kernels.cu's `layout_vec_lane`).
 fn layout_vec_config(rows: i32, d: usize) -> LaunchConfig {
     let g = d / 4;
-    let per_warp = if g < 32 { 32 / g.max(1) } else { 1 };
+    let per_warp = if g < 32 { 32 / g } else { 1 };
     let grid = (rows as u32).div_ceil(8 * per_warp as u32);
     LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (32, 8, 1), shared_mem_bytes: 0 }
 }

@@ -2195,20 +2195,6 @@ template <int S> __device__ __forceinline__ void tc_zero(float acc[S][4]) {
     for (int i = 0; i < 4; ++i) acc[s][i] = 0.0f;
 }
 
-// f(row, col, value) for every element of the warp's tiles.
-template <int S, typename F> __device__ __forceinline__ void tc_each(float acc[S][4], int M, int N, F f) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    int m0, n0;
-    if (!tc_tile(M, N, s, m0, n0)) continue;
-    f(m0 + g, n0 + 2 * t, acc[s][0]);
-    f(m0 + g, n0 + 2 * t + 1, acc[s][1]);
-    f(m0 + g + 8, n0 + 2 * t, acc[s][2]);
-    f(m0 + g + 8, n0 + 2 * t + 1, acc[s][3]);
-  }
-}
-
 // f(row, col, x, y) for the element pairs (col, col + 1) of the warp's tiles (col even).
 template <int S, typename F> __device__ __forceinline__ void tc_each_pair(float acc[S][4], int M, int N, F f) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -2219,6 +2205,14 @@ template <int S, typename F> __device__ __forceinline__ void tc_each_pair(float 
     f(m0 + g, n0 + 2 * t, acc[s][0], acc[s][1]);
     f(m0 + g + 8, n0 + 2 * t, acc[s][2], acc[s][3]);
   }
+}
+
+// f(row, col, value) for every element of the warp's tiles, in tc_each_pair's order.
+template <int S, typename F> __device__ __forceinline__ void tc_each(float acc[S][4], int M, int N, F f) {
+  tc_each_pair<S>(acc, M, N, [&](int r, int c, float x, float y) {
+    f(r, c, x);
+    f(r, c + 1, y);
+  });
 }
 
 // x and y to row[col] and row[col + 1] where those columns are below width (col even): one 8-byte
