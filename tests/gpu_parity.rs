@@ -826,6 +826,27 @@ fn conv_and_norm_gradients_match_cpu() {
         };
         let out = [3, 70, 2 * 192 + 4];
         compare("grouped heads", dtype, &[rand(&[3, 70, 200], 24)], &rand(&out, 25), &grouped);
+        // q and k normed straight into the chunk kernels' layout (70 steps: the last chunk
+        // padded), the keys alone and v beside them, flattened; an even width (column pairs)
+        // and an odd one at odd offsets (single columns).
+        for (off, d) in [(0, 48), (5, 47)] {
+            let chunked = move |t: &[Tensor], dt: DType| {
+                use statecut::ops::prep::Heads;
+                let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
+                let (qk, keys, v) = statecut::ops::prep::heads_qk_chunks(
+                    &rows,
+                    Heads { off, heads: 2, d, rep: 2, norm: Some(1e-6) },
+                    Heads { off: off + 2 * d, heads: 2, d, rep: 2, norm: Some(1e-6) },
+                    Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None },
+                    64,
+                )
+                .unwrap();
+                let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                Tensor::cat(&[flat(qk), flat(keys), flat(v)], 0).unwrap()
+            };
+            let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
+            compare(&format!("heads in chunks d {d}"), dtype, &[rand(&[3, 70, 200], 26)], &rand(&[n], 27), &chunked);
+        }
         // A trained projection (recovery's adapted weights): the input and the weight trained.
         let trained = |t: &[Tensor], dt: DType| {
             let lin = statecut::layers::linear::Linear::new(t[1].to_dtype(dt).unwrap(), None);

@@ -268,6 +268,33 @@ impl LinearAttention {
             && mixed.dtype() != f32
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
             && crate::ops::delta_rule::Kernel::chunks_without_gradients(dev, (b, t, d.v_heads), d.dk, d.dv);
+        // With gradients on the chunk kernels, q and k are normed straight into the kernels'
+        // chunked layout (see `ops::prep::heads_qk_chunks`).
+        let trained_chunks = !fused
+            && !chunks
+            && matches!(self.decay, Decay::None | Decay::PerHead { .. })
+            && prev_state.is_none()
+            && cache.is_none()
+            && obs.passive()
+            && !obs.wants_state()
+            && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk);
+        if trained_chunks {
+            use crate::ops::prep::Heads;
+            let eps = Some(L2_EPS as f32);
+            let (qk, keys, v) = crate::ops::prep::heads_qk_chunks(
+                &mixed,
+                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
+                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
+                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None },
+                crate::ops::chunked::chunk_len(t),
+            )?;
+            let o = {
+                let _s = crate::profile::span("recurrence", dev);
+                let scale = (d.dk as f64).powf(-0.5);
+                crate::ops::chunked::delta_from_chunks(&qk, &keys, &v, &beta, g.as_ref(), scale)?
+            };
+            return self.output(x, o, p.z.as_ref());
+        }
         let (q, k, v) = if chunks || (!fused && !dev.is_cpu()) {
             // For the chunk kernels, and with gradients on a GPU: one op per part, each reading
             // its columns in place, their backwards writing one d(mixed) (see
@@ -309,15 +336,24 @@ impl LinearAttention {
         } else {
             crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?
         };
+        self.output(x, o, p.z.as_ref())
+    }
+
+    /// The output projection of the recurrence's output o [B, T, Hv, dv] after the norm and the
+    /// gate (`z`: the silu gate's projection); x is the layer's input.
+    fn output(&self, x: &Tensor, o: Tensor, z: Option<&Tensor>) -> Result<Tensor> {
+        let d = self.dims;
+        let (b, t, _) = x.dims3()?;
+        let f32 = DType::F32;
         let out_fused = {
             let (weight, _) = self.norm.applied()?;
-            let z = p.z.iter().filter(|_| matches!(self.gate, OutputGate::Silu));
+            let z = z.into_iter().filter(|_| matches!(self.gate, OutputGate::Silu));
             crate::ops::fusable(&[&o, &weight].into_iter().chain(z).collect::<Vec<_>>())
         };
         if out_fused && matches!(self.gate, OutputGate::None | OutputGate::Silu) {
             // Norm and gate in one kernel, which reads o in float32 (as the fused kernel gives
             // it; the chunk kernels give it in the values' dtype).
-            let norm = self.out_norm(p.z.clone(), x.dtype())?;
+            let norm = self.out_norm(z.cloned(), x.dtype())?;
             let o = o.to_dtype(f32)?.contiguous()?;
             return Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?);
         }
@@ -326,7 +362,7 @@ impl LinearAttention {
         let o = match &self.gate {
             OutputGate::None => self.norm.forward_heads(&o)?,
             OutputGate::Silu => {
-                let z = p.z.as_ref().ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?;
+                let z = z.ok_or_else(|| anyhow::anyhow!("a silu output gate needs the z projection"))?;
                 self.norm.forward_gated_heads(&o, z)?
             }
             OutputGate::SigmoidLowRank { g_a, g_b } => {

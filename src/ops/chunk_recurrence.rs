@@ -29,18 +29,56 @@ use std::sync::Arc;
 /// laid out in the values' dtype by the op itself: a float32 o cast afterwards costs a full-size
 /// cast each way and a float32 gradient edge.
 pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tensor, Tensor)> {
-    let (b, t, h, dk) = rec.q.dims4()?;
-    let dv = rec.v.dim(3)?;
     let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
+                                               // The keys laid out in chunks again rather than copied out of qk's columns, a strided copy
+                                               // several times slower.
+    let keys = to_chunks(&rec.k.detach(), c)?;
+    let rest = Rest { v: rec.v, beta: rec.beta, g: rec.g, initial: rec.initial, scale: rec.scale, rule: rec.rule };
+    forward_chunked(&Chunked { qk: &qk, keys: &keys, t: rec.q.dim(1)?, c }, &rest, tensor)
+}
+
+/// What the recurrence reads besides q and k (see [`Recurrence`]'s fields of these names).
+pub(crate) struct Rest<'a> {
+    pub v: &'a Tensor,
+    pub beta: &'a Tensor,
+    pub g: Option<&'a Tensor>,
+    pub initial: Option<&'a Tensor>,
+    pub scale: f64,
+    pub rule: Rule,
+}
+
+/// q and k already in chunks: `qk` [N, B·H, c, 2dk] (q | k, differentiable; rows past T zero)
+/// and `keys` [N, B·H, c, dk] (the same keys, untracked), for sequences of `t` steps.
+pub(crate) struct Chunked<'a> {
+    pub qk: &'a Tensor,
+    pub keys: &'a Tensor,
+    pub t: usize,
+    pub c: usize,
+}
+
+/// [`forward`] from q and k in chunks.
+pub(crate) fn forward_chunked(x: &Chunked, rec: &Rest, tensor: bool) -> Result<(Tensor, Tensor)> {
+    let (qk, c, t) = (x.qk, x.c, x.t);
+    let (n, bh, cc, dk2) = qk.dims4()?;
+    let (b, tv, h, dv) = rec.v.dims4()?;
+    let dk = dk2 / 2;
+    if cc != c || tv != t || n != t.div_ceil(c) || bh != b * h || x.keys.dims() != [n, bh, c, dk] {
+        candle_core::bail!(
+            "chunked recurrence: q | k {:?} and keys {:?} are not chunks of {c} of values {:?}",
+            qk.shape(),
+            x.keys.shape(),
+            rec.v.shape()
+        );
+    }
     let mut scalars = vec![rec.beta.to_dtype(DType::F32)?.flatten_all()?];
     for x in [rec.g, rec.initial].into_iter().flatten() {
         scalars.push(x.to_dtype(DType::F32)?.flatten_all()?);
     }
     let scal = Tensor::cat(&scalars, 0)?;
     let shape = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
-    let saved = Saved::run(&qk.detach(), &rec.k.detach(), &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
+    let saved = Saved::run(&qk.detach(), x.keys, &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
     let state_shape = (b, h, dk, dv);
-    if super::untracked(&[&qk, rec.v, &scal]) {
+    if super::untracked(&[qk, rec.v, &scal]) {
         let o = from_chunks(&saved.o, b, t, h, rec.v.dtype())?;
         return Ok((o, saved.state.reshape(state_shape)?));
     }
@@ -93,21 +131,12 @@ struct Saved {
 }
 
 impl Saved {
-    /// The forward, on untracked inputs: exactly the steps the separate ops take.
-    /// `k` is the keys in the model's layout: laid out in chunks again rather than copied out
-    /// of `qk`'s columns, a strided copy several times slower.
-    fn run(
-        qk: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        scal: &Tensor,
-        s: Sizes,
-        rec: &Recurrence,
-        tensor: bool,
-    ) -> Result<Saved> {
+    /// The forward, on untracked inputs: exactly the steps the separate ops take. `k` is the
+    /// keys alone in chunks.
+    fn run(qk: &Tensor, k: &Tensor, v: &Tensor, scal: &Tensor, s: Sizes, rec: &Rest, tensor: bool) -> Result<Saved> {
         let (b, t, h, c, dk, dv) = (s.b, s.t, s.h, s.c, s.dk, s.dv);
         let (n, bh) = (t.div_ceil(c), b * h);
-        let k = to_chunks(k, c)?;
+        let k = k.clone();
         let vc = to_chunks(v, c)?;
         let len = b * t * h;
         let beta = scalars_to_chunks(&scal.narrow(0, 0, len)?.reshape((b, t, h))?, c)?;

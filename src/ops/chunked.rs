@@ -149,8 +149,31 @@ pub fn forward_in(rec: &Recurrence, form: Form) -> Result<(Tensor, Tensor)> {
 /// [`forward_in`]'s kernel form with a decay per head (or none): one op each way
 /// ([`super::chunk_recurrence`]).
 fn forward_kernels(rec: &Recurrence) -> Result<(Tensor, Tensor)> {
-    let c = CHUNK.min(rec.q.dim(1)?.next_power_of_two());
+    let c = chunk_len(rec.q.dim(1)?);
     super::chunk_recurrence::forward(rec, c, tensor_cores(rec))
+}
+
+/// The chunk length of the chunked forms for sequences of `t` steps.
+pub fn chunk_len(t: usize) -> usize {
+    CHUNK.min(t.next_power_of_two())
+}
+
+/// The delta rule on the chunk kernels from q and k already in chunks of [`chunk_len`]`(t)`
+/// (`qk` [N, B·H, C, 2dk] differentiable and `keys` [N, B·H, C, dk], as
+/// `prep::heads_qk_chunks` gives them), no initial state: o [B, T, H, dv] in the values' dtype.
+pub fn delta_from_chunks(
+    qk: &Tensor,
+    keys: &Tensor,
+    v: &Tensor,
+    beta: &Tensor,
+    g: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    use super::chunk_recurrence::{forward_chunked, Chunked, Rest};
+    let t = v.dim(1)?;
+    let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
+    let x = Chunked { qk, keys, t, c: chunk_len(t) };
+    Ok(forward_chunked(&x, &rest, v.dtype() != DType::F32)?.0)
 }
 
 /// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype

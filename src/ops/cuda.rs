@@ -4,7 +4,9 @@
 //! defines what it computes; `tests/gpu_parity.rs` checks the two agree.
 
 use super::contiguous;
-use super::launch::{ChunkLayout, Heads, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, KD_STATS, MAX_DK, TILE};
+use super::launch::{
+    ChunkLayout, Heads, HeadsDst, IntraDims, OutDims, QkvPrep, StepDims, WalkDims, KD_STATS, MAX_DK, TILE,
+};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaView, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
@@ -760,26 +762,78 @@ fn heads_launch(rows: usize, p: &Heads) -> (LaunchConfig, [i32; 4], f32) {
 /// normed, else in x's dtype, [rows, heads·rep, d] flat.
 pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Heads) -> Result<CudaStorage> {
     let dev = x.device().clone();
-    let (cfg, ints, eps) = heads_launch(rows, p);
     let n = rows * p.heads * p.rep * p.d;
+    let dtype = if p.norm.is_some() { DType::F32 } else { x.dtype() };
+    // SAFETY: the kernel writes all n outputs.
+    let mut out = unsafe { alloc_dtype(&dev, dtype, n, false)? };
+    heads_into(&mut out, None, x, (offset, xs), rows, p, None)?;
+    Ok(out)
+}
+
+/// A buffer of `n` elements of `dtype`, zeroed with `zero`.
+///
+/// # Safety
+/// Without `zero` the contents are undefined: the caller writes every element it reads.
+unsafe fn alloc_dtype(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
+    macro_rules! alloc {
+        ($ty:ty) => {{
+            let s = if zero { dev.alloc_zeros::<$ty>(n)? } else { dev.alloc::<$ty>(n)? };
+            CudaStorage::wrap_cuda_slice(s, dev.clone())
+        }};
+    }
+    Ok(match dtype {
+        DType::F32 => alloc!(f32),
+        DType::BF16 => alloc!(half::bf16),
+        DType::F16 => alloc!(half::f16),
+        dt => candle_core::bail!("heads: unsupported dtype {dt:?}"),
+    })
+}
+
+/// `heads_fwd` in kernels.cu into `out` (float32 when normed, else x's dtype) laid out by `dst`,
+/// and with `keys` the normed heads also in chunks of width d (see `HeadsDst`).
+pub fn heads_into(
+    out: &mut CudaStorage,
+    keys: Option<&mut CudaStorage>,
+    x: &CudaStorage,
+    (offset, xs): (usize, usize),
+    rows: usize,
+    p: &Heads,
+    dst: Option<&HeadsDst>,
+) -> Result<()> {
+    let dev = x.device().clone();
+    let (cfg, ints, eps) = heads_launch(rows, p);
+    let (cc, ct, cw, ccol) = HeadsDst::args(dst);
+    if keys.is_some() && (p.norm.is_none() || dst.is_none()) {
+        candle_core::bail!("heads: the keys alone are written only for normed heads in chunks");
+    }
     let (xs, rows, off) = (xs as i64, rows as i64, p.off as i32);
+    let null = 0u64;
     // The output's element type: float32 when normed, else the input's.
     macro_rules! run {
         ($ty:ty, $out:ty, $name:expr) => {{
             let xv = from::<$ty>(x, offset)?;
             let func = function(&dev, $name)?;
-            // SAFETY: the kernel writes all n outputs.
-            let out = unsafe { dev.alloc::<$out>(n)? };
+            let o = out.as_cuda_slice_mut::<$out>()?;
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
-            builder.arg(&xv).arg(&xs).arg(&off).arg(&out).arg(&rows);
+            builder.arg(&xv).arg(&xs).arg(&off).arg(o).arg(&rows);
             for v in &ints {
                 builder.arg(v);
             }
-            builder.arg(&eps);
-            // SAFETY: argument list matches `heads_fwd_*` in kernels.cu.
+            builder.arg(&eps).arg(&cc).arg(&ct).arg(&cw).arg(&ccol);
+            let k2;
+            match keys {
+                Some(k) => {
+                    k2 = k.as_cuda_slice_mut::<f32>()?;
+                    builder.arg(k2);
+                }
+                None => {
+                    builder.arg(&null);
+                }
+            }
+            // SAFETY: argument list matches `heads_fwd_*` in kernels.cu; the caller sized `out`
+            // (and `keys`) for the layout.
             unsafe { builder.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, dev)
         }};
     }
     macro_rules! launch {
@@ -791,15 +845,18 @@ pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Hea
         }};
     }
     // Pairs of columns a lane where every access stays aligned to them.
-    Ok(match [p.d, p.off, offset, xs as usize].iter().all(|v| v % 2 == 0) {
+    let (w, col) = dst.map_or((0, 0), |o| (o.w, o.col));
+    match [p.d, p.off, offset, xs as usize, w, col].iter().all(|v| v % 2 == 0) {
         true => per_dtype!(x.dtype(), "heads_fwd2", "heads", launch),
         false => per_dtype!(x.dtype(), "heads_fwd", "heads", launch),
-    })
+    }
+    Ok(())
 }
 
 /// `heads_bwd` in kernels.cu: d(x) into `out` from element `at` on, [rows, c] in x's dtype, from
 /// dy (contiguous; float32 when normed, else x's dtype); the heads' columns are written, the
-/// others left as they are.
+/// others left as they are; dy laid out by `src` (see `HeadsDst`).
+#[allow(clippy::too_many_arguments)]
 pub fn heads_bwd_into(
     out: &mut CudaStorage,
     at: usize,
@@ -808,9 +865,11 @@ pub fn heads_bwd_into(
     (rows, c): (usize, usize),
     dy: (&CudaStorage, &Layout),
     p: &Heads,
+    src: Option<&HeadsDst>,
 ) -> Result<()> {
     let dev = x.device().clone();
     let (cfg, ints, eps) = heads_launch(rows, p);
+    let (cc, ct, cw, ccol) = HeadsDst::args(src);
     let (xs, rows_i, off, c_i) = (xs as i64, rows as i64, p.off as i32, c as i32);
     let (da, db) = contiguous(dy.1, "heads backward gradient")?;
     macro_rules! launch {
@@ -836,12 +895,13 @@ pub fn heads_bwd_into(
             for v in &ints {
                 builder.arg(v);
             }
-            builder.arg(&eps);
+            builder.arg(&eps).arg(&cc).arg(&ct).arg(&cw).arg(&ccol);
             // SAFETY: argument list matches `heads_bwd_*` in kernels.cu; `o` holds rows x c.
             unsafe { builder.launch(cfg) }.w()?;
         }};
     }
-    match [p.d, p.off, offset, xs as usize, c, at, da].iter().all(|v| v % 2 == 0) {
+    let (w, col) = src.map_or((0, 0), |o| (o.w, o.col));
+    match [p.d, p.off, offset, xs as usize, c, at, da, w, col].iter().all(|v| v % 2 == 0) {
         true => per_dtype!(x.dtype(), "heads_bwd2", "heads backward", launch),
         false => per_dtype!(x.dtype(), "heads_bwd", "heads backward", launch),
     }

@@ -531,6 +531,14 @@ impl Kernel {
         }
     }
 
+    /// Whether a delta-rule recurrence with gradients on `device`, keys `dk` wide, runs on the
+    /// chunk kernels (what [`Self::choose`] picks for tracked inputs there, unless
+    /// `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another form).
+    pub fn chunk_kernels_with_gradients(device: &Device, dk: usize) -> bool {
+        let walkable = !device.is_cpu() && dk <= super::chunk_walk::MAX_DK;
+        walkable && !super::no_gradients() && matches!(Self::overridden(), None | Some(Kernel::ChunkedKernels))
+    }
+
     /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).
     pub fn scoped<R>(kernel: Kernel, f: impl FnOnce() -> R) -> R {
         let before = FORCED.with(|c| c.replace(Some(kernel)));

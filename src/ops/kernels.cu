@@ -1150,18 +1150,35 @@ template <typename T, int P> __device__ __forceinline__ PackN<T, P> load_n(const
   return *reinterpret_cast<const PackN<T, P> *>(p);
 }
 
-// P = 2: every lane moves pairs of columns (d, the row stride and every offset even), a warp
-// twice the bytes an access of P = 1's single columns.
+// Where output row `row`'s head `hr` (of HR) starts: [rows, HR, d] when C == 0, else the chunked
+// recurrence's layout [N, B·HR, C, W] at column `col`, row b·T + t being position t % C of
+// chunk t / C (rows past T in the last chunk are the caller's zeros).
+struct HeadsDst {
+  int C;
+  long long T;
+  int W, col;
+};
+__device__ __forceinline__ long long heads_at(const HeadsDst &o, long long row, int hr, int HR, int d,
+                                              long long rows) {
+  if (o.C == 0) return (row * HR + hr) * (long long)d;
+  const long long b = row / o.T, t = row % o.T, B = rows / o.T;
+  return (((t / o.C) * B + b) * HR + hr) * (long long)o.C * o.W + (t % o.C) * (long long)o.W + o.col;
+}
+
+// P = 2: every lane moves pairs of columns (d, the row stride, W, col and every offset even), a
+// warp twice the bytes an access of P = 1's single columns. With `out2` (normed heads in chunks)
+// the output goes there too, in chunks of width d at column 0: the keys alone, which the chunked
+// recurrence reads besides the [q | k] pairs.
 template <typename T, int P>
 __device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *__restrict__ out, long long rows,
-                          int H, int d, int rep, int norm, float eps) {
+                          int H, int d, int rep, int norm, float eps, HeadsDst dst, float *__restrict__ out2) {
   const int lane = threadIdx.x & 31;
   const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (wid >= rows * H) return;
   const long long row = wid / H;
   const int h = wid % H;
   const T *xr = x + row * xs + off + (long long)h * d;
-  const long long o = (row * H + h) * (long long)rep * d;
+  const HeadsDst dst2 = {dst.C, dst.T, d, 0};
   float n = 1.0f;
   if (norm) {
     float ss = 0.0f;
@@ -1176,40 +1193,44 @@ __device__ void heads_fwd(const T *__restrict__ x, long long xs, int off, void *
   for (int i = P * lane; i < d; i += 32 * P) {
     const PackN<T, P> p = load_n<T, P>(xr + i);
     for (int j = 0; j < rep; j++) {
+      const long long o = heads_at(dst, row, h * rep + j, H * rep, d, rows) + i;
       if (norm) {
         PackN<float, P> y;
 #pragma unroll
         for (int e = 0; e < P; e++) y.v[e] = to_f(p.v[e]) / n;
-        *reinterpret_cast<PackN<float, P> *>(static_cast<float *>(out) + o + j * d + i) = y;
+        *reinterpret_cast<PackN<float, P> *>(static_cast<float *>(out) + o) = y;
+        if (out2) *reinterpret_cast<PackN<float, P> *>(out2 + heads_at(dst2, row, h * rep + j, H * rep, d, rows) + i) = y;
       } else {
-        *reinterpret_cast<PackN<T, P> *>(static_cast<T *>(out) + o + j * d + i) = p;
+        *reinterpret_cast<PackN<T, P> *>(static_cast<T *>(out) + o) = p;
       }
     }
   }
 }
 
+// dy laid out as heads_fwd's output `src`.
 template <typename T, int P>
 __device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const void *__restrict__ dy,
-                          T *__restrict__ dx, long long rows, int C, int H, int d, int rep, int norm, float eps) {
+                          T *__restrict__ dx, long long rows, int C, int H, int d, int rep, int norm, float eps,
+                          HeadsDst src) {
   const int lane = threadIdx.x & 31;
   const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (wid >= rows * H) return;
   const long long row = wid / H;
   const int h = wid % H;
   const T *xr = x + row * xs + off + (long long)h * d;
-  const long long o = (row * H + h) * (long long)rep * d;
   T *out = dx + row * C + off + (long long)h * d;
   // g = the output gradient at columns i..i+P, summed over the copies.
   auto grad = [&](int i, float g[P]) {
 #pragma unroll
     for (int e = 0; e < P; e++) g[e] = 0.0f;
     for (int j = 0; j < rep; j++) {
+      const long long o = heads_at(src, row, h * rep + j, H * rep, d, rows) + i;
       if (norm) {
-        const PackN<float, P> q = load_n<float, P>(static_cast<const float *>(dy) + o + j * d + i);
+        const PackN<float, P> q = load_n<float, P>(static_cast<const float *>(dy) + o);
 #pragma unroll
         for (int e = 0; e < P; e++) g[e] += q.v[e];
       } else {
-        const PackN<T, P> q = load_n<T, P>(static_cast<const T *>(dy) + o + j * d + i);
+        const PackN<T, P> q = load_n<T, P>(static_cast<const T *>(dy) + o);
 #pragma unroll
         for (int e = 0; e < P; e++) g[e] += to_f(q.v[e]);
       }
@@ -1251,13 +1272,14 @@ __device__ void heads_bwd(const T *__restrict__ x, long long xs, int off, const 
 
 #define HEADS_P(SUFFIX, T, P, FWD, BWD)                                                             \
   extern "C" __global__ void FWD##_##SUFFIX(const T *x, long long xs, int off, void *out, long long rows, \
-                                            int H, int d, int rep, int norm, float eps) {          \
-    heads_fwd<T, P>(x, xs, off, out, rows, H, d, rep, norm, eps);                                   \
+                                            int H, int d, int rep, int norm, float eps, int cc,      \
+                                            long long ct, int cw, int ccol, float *out2) {          \
+    heads_fwd<T, P>(x, xs, off, out, rows, H, d, rep, norm, eps, HeadsDst{cc, ct, cw, ccol}, out2);  \
   }                                                                                                 \
   extern "C" __global__ void BWD##_##SUFFIX(const T *x, long long xs, int off, const void *dy, T *dx,  \
                                             long long rows, int C, int H, int d, int rep, int norm, \
-                                            float eps) {                                           \
-    heads_bwd<T, P>(x, xs, off, dy, dx, rows, C, H, d, rep, norm, eps);                             \
+                                            float eps, int cc, long long ct, int cw, int ccol) {    \
+    heads_bwd<T, P>(x, xs, off, dy, dx, rows, C, H, d, rep, norm, eps, HeadsDst{cc, ct, cw, ccol});  \
   }
 #define HEADS(SUFFIX, T)                      \
   HEADS_P(SUFFIX, T, 1, heads_fwd, heads_bwd) \

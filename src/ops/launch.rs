@@ -36,6 +36,40 @@ pub struct Heads {
     pub norm: Option<f32>,
 }
 
+/// Where [`Heads`] write their output (and read its gradient): rows of heads [rows, heads·rep, d]
+/// by default; with `Some`, the chunked recurrence's layout [N, B·heads·rep, c, w] at column
+/// `col`, rows b·t + i being position i % c of chunk i / c (see `heads_at` in kernels.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadsDst {
+    /// Steps per sequence.
+    pub t: usize,
+    /// Steps per chunk.
+    pub c: usize,
+    /// Columns per chunk row.
+    pub w: usize,
+    pub col: usize,
+}
+
+impl HeadsDst {
+    /// Element where row `row` (of `rows`) has head copy `hr` (of `hr_n`), each `d` wide, under
+    /// `dst` (rows of heads without one).
+    pub(crate) fn at(dst: Option<&HeadsDst>, row: usize, hr: usize, hr_n: usize, d: usize, rows: usize) -> usize {
+        match dst {
+            None => (row * hr_n + hr) * d,
+            Some(o) => {
+                let (b, t, nb) = (row / o.t, row % o.t, rows / o.t);
+                (((t / o.c) * nb + b) * hr_n + hr) * o.c * o.w + (t % o.c) * o.w + o.col
+            }
+        }
+    }
+
+    /// The kernels' arguments: (c, t, w, col), all zero for rows of heads.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn args(dst: Option<&HeadsDst>) -> (i32, i64, i32, i32) {
+        dst.map_or((0, 0, 0, 0), |o| (o.c as i32, o.t as i64, o.w as i32, o.col as i32))
+    }
+}
+
 /// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
 #[cfg(feature = "cuda")]
 pub(crate) const TILE: usize = 32;

@@ -3,7 +3,7 @@
 //! candle ops take six passes over the same data (two copies out of the stacked output, two
 //! widenings, two norms) and a seventh for v.
 
-pub use super::launch::{Heads, QkvPrep};
+pub use super::launch::{Heads, HeadsDst, QkvPrep};
 use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use std::sync::{Arc, Mutex};
@@ -106,9 +106,44 @@ impl Heads {
 
     /// Write d(x) from the outputs' gradient into the heads' columns of `dx` (contiguous, x's
     /// shape and dtype), the others untouched.
-    fn grad_into(&self, dx: &Tensor, x: &Tensor, grad: &Tensor) -> Result<()> {
+    fn grad_into(&self, dx: &Tensor, x: &Tensor, grad: &Tensor, src: Option<HeadsDst>) -> Result<()> {
         let want = if self.norm.is_some() { candle_core::DType::F32 } else { x.dtype() };
-        dx.inplace_op3(x, &grad.to_dtype(want)?.contiguous()?, &HeadsInto(*self))
+        dx.inplace_op3(x, &grad.to_dtype(want)?.contiguous()?, &HeadsInto(*self, src))
+    }
+
+    /// The normed heads of x's rows written into `out` laid out by `dst` (and into `keys`, in
+    /// chunks of width d at column 0, when given): the CPU half of [`heads_qk_chunks`].
+    fn fwd_cpu_chunks<T: WithDType>(
+        &self,
+        x: &[T],
+        r: &Rows,
+        dst: &HeadsDst,
+        out: &mut [f32],
+        keys: Option<&mut [f32]>,
+    ) {
+        let (h, d, rep) = (self.heads, self.d, self.rep);
+        let eps = self.norm.unwrap_or(0.0);
+        let alone = HeadsDst { w: d, col: 0, ..*dst };
+        let mut keys = keys;
+        for row in 0..r.rows {
+            for kh in 0..h {
+                let xs: Vec<f32> = r.row(x, row)[self.off + kh * d..][..d].iter().map(|v| v.to_f64() as f32).collect();
+                let n = match self.norm {
+                    Some(_) => (xs.iter().map(|v| v * v).sum::<f32>() + eps).sqrt(),
+                    None => 1.0,
+                };
+                for j in 0..rep {
+                    let o = HeadsDst::at(Some(dst), row, kh * rep + j, h * rep, d, r.rows);
+                    let a = HeadsDst::at(Some(&alone), row, kh * rep + j, h * rep, d, r.rows);
+                    for (i, v) in xs.iter().enumerate() {
+                        out[o + i] = v / n;
+                        if let Some(k) = keys.as_deref_mut() {
+                            k[a + i] = v / n;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// An error unless the heads fit rows of `c` columns.
@@ -161,14 +196,21 @@ impl Heads {
 
     /// d(x) from the outputs' gradient g (the module's formulas), written into the heads' columns
     /// of `out` [rows, width], the others untouched.
-    fn bwd_cpu_into<T: WithDType, G: WithDType>(&self, x: &[T], r: &Rows, g: &[G], out: &mut [T]) {
+    fn bwd_cpu_into<T: WithDType, G: WithDType>(
+        &self,
+        x: &[T],
+        r: &Rows,
+        g: &[G],
+        out: &mut [T],
+        src: Option<&HeadsDst>,
+    ) {
         let (h, d, rep) = (self.heads, self.d, self.rep);
         for row in 0..r.rows {
             for kh in 0..h {
                 let xs: Vec<f32> = r.row(x, row)[self.off + kh * d..][..d].iter().map(|v| v.to_f64() as f32).collect();
-                let o = (row * h + kh) * rep * d;
+                let at = |j: usize| HeadsDst::at(src, row, kh * rep + j, h * rep, d, r.rows);
                 let gs: Vec<f32> =
-                    (0..d).map(|i| (0..rep).map(|j| g[o + j * d + i].to_f64() as f32).sum::<f32>()).collect();
+                    (0..d).map(|i| (0..rep).map(|j| g[at(j) + i].to_f64() as f32).sum::<f32>()).collect();
                 let dx: Vec<f32> = match self.norm {
                     Some(eps) => {
                         let n = (xs.iter().map(|v| v * v).sum::<f32>() + eps).sqrt();
@@ -209,7 +251,7 @@ impl CustomOp1 for Heads {
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let dx = Tensor::zeros(x.shape(), x.dtype(), x.device())?;
-        self.grad_into(&dx, x, grad)?;
+        self.grad_into(&dx, x, grad, None)?;
         Ok(Some(dx))
     }
 }
@@ -257,7 +299,7 @@ impl Part {
             Some(b) if !self.opens => b,
             _ => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
         };
-        self.heads.grad_into(&buf, x, grad)?;
+        self.heads.grad_into(&buf, x, grad, None)?;
         *slot = Some(buf);
         Ok(())
     }
@@ -318,9 +360,135 @@ impl CustomOp2 for Part {
     }
 }
 
+/// The recurrence's inputs from the rows x [B, T, C] for the chunk kernels with gradients: q and
+/// k normed straight into the chunked layout the kernels read, [N, B·H, c, 2d] with q | k side by
+/// side (H = heads · rep), the keys alone [N, B·H, c, d] (untracked: the kernels' copy of them),
+/// and v as [`heads_qkv`] gives it. The rows past T in the last chunk are zero. As heads then a
+/// layout op, q and k were each a float32 node of the graph whose gradient candle adds into a
+/// fresh buffer, and each way a pass over both to lay them out.
+///
+/// The ops chain as [`heads_qkv`]'s: v's takes the pairs (unread), so that its backward runs
+/// first and starts d(x); the pairs' writes q's and k's columns and hands it over. All three
+/// outputs must reach the loss.
+pub fn heads_qk_chunks(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (_, t, width) = x.dims3()?;
+    for p in [&q, &k, &v] {
+        p.check(width)?;
+    }
+    let ok = q.norm.is_some() && k.norm.is_some() && q.d == k.d && q.heads * q.rep == k.heads * k.rep && c > 0 && t > 0;
+    if !ok {
+        candle_core::bail!("heads in chunks: q {q:?} and k {k:?} must be normed heads of one width and count");
+    }
+    let x = super::as_rows(x)?;
+    let slot: Slot = Arc::new(Mutex::new(None));
+    let op = QkChunks { q, k, t, c, slot: slot.clone(), keys: Arc::new(Mutex::new(None)) };
+    let keys = op.keys.clone();
+    let qk = x.apply_op1(op)?;
+    let keys = keys.lock().ok().and_then(|mut k| k.take());
+    let keys = keys.ok_or_else(|| candle_core::Error::Msg("heads in chunks: the forward left no keys".into()))?;
+    let tv = x.apply_op2(&qk, Part { heads: v, slot, opens: true })?;
+    Ok((qk, keys, tv))
+}
+
+/// q | k in chunks (see [`heads_qk_chunks`]); the forward leaves the keys alone in `keys`.
+struct QkChunks {
+    q: Heads,
+    k: Heads,
+    t: usize,
+    c: usize,
+    slot: Slot,
+    keys: Arc<Mutex<Option<Tensor>>>,
+}
+
+impl QkChunks {
+    /// Where q and k go, and the output's and the keys' shapes, for `rows` rows.
+    fn plan(&self, rows: usize) -> Result<(HeadsDst, HeadsDst, Shape, Shape)> {
+        if !rows.is_multiple_of(self.t) {
+            candle_core::bail!("heads in chunks: {rows} rows are not sequences of {}", self.t);
+        }
+        let (d, hr, n) = (self.q.d, self.q.heads * self.q.rep, self.t.div_ceil(self.c));
+        let bh = rows / self.t * hr;
+        let qd = HeadsDst { t: self.t, c: self.c, w: 2 * d, col: 0 };
+        Ok((qd, HeadsDst { col: d, ..qd }, Shape::from((n, bh, self.c, 2 * d)), Shape::from((n, bh, self.c, d))))
+    }
+
+    fn put_keys(&self, keys: Tensor) -> Result<()> {
+        *self.keys.lock().map_err(|_| candle_core::Error::Msg("heads in chunks: a forward panicked".into()))? =
+            Some(keys);
+        Ok(())
+    }
+}
+
+impl CustomOp1 for QkChunks {
+    fn name(&self) -> &'static str {
+        "statecut-heads-qk-chunks"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let r = Rows::of(l, "heads in chunks")?;
+        let (qd, kd, shape, kshape) = self.plan(r.rows)?;
+        let mut out = vec![0f32; shape.elem_count()];
+        let mut keys = vec![0f32; kshape.elem_count()];
+        macro_rules! go {
+            ($x:expr) => {{
+                self.q.fwd_cpu_chunks($x, &r, &qd, &mut out, None);
+                self.k.fwd_cpu_chunks($x, &r, &kd, &mut out, Some(&mut keys));
+            }};
+        }
+        match x {
+            CpuStorage::F32(x) => go!(x),
+            CpuStorage::BF16(x) => go!(x),
+            CpuStorage::F16(x) => go!(x),
+            _ => candle_core::bail!("heads in chunks: unsupported dtype"),
+        }
+        self.put_keys(Tensor::from_vec(keys, kshape, &candle_core::Device::Cpu)?)?;
+        Ok((CpuStorage::F32(out), shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let r = Rows::of(l, "heads in chunks")?;
+        let (qd, kd, shape, kshape) = self.plan(r.rows)?;
+        let dev = x.device();
+        // Rows past T in the last chunk are never written: zeros there.
+        let pad = !self.t.is_multiple_of(self.c);
+        let alloc = |n: usize| -> Result<candle_core::CudaStorage> {
+            let s = match pad {
+                true => dev.alloc_zeros::<f32>(n)?,
+                // SAFETY: q and k write every element of a chunk row of the pairs, and k every
+                // element of the keys, when the chunks hold no padding.
+                false => unsafe { dev.alloc::<f32>(n)? },
+            };
+            Ok(candle_core::CudaStorage::wrap_cuda_slice(s, dev.clone()))
+        };
+        let (mut out, mut keys) = (alloc(shape.elem_count())?, alloc(kshape.elem_count())?);
+        let at = (r.offset, r.stride);
+        super::cuda::heads_into(&mut out, None, x, at, r.rows, &self.q, Some(&qd))?;
+        super::cuda::heads_into(&mut out, Some(&mut keys), x, at, r.rows, &self.k, Some(&kd))?;
+        let keys =
+            Tensor::from_storage(candle_core::Storage::Cuda(keys), kshape, candle_core::op::BackpropOp::none(), false);
+        self.put_keys(keys)?;
+        Ok((out, shape))
+    }
+
+    /// The last backward of the chain: q's and k's columns of d(x), then d(x) whole.
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (qd, kd, _, _) = self.plan(x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1))?;
+        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
+        let buf = match slot.take() {
+            Some(b) => b,
+            None => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
+        };
+        self.q.grad_into(&buf, x, grad, Some(qd))?;
+        self.k.grad_into(&buf, x, grad, Some(kd))?;
+        Ok(Some(buf))
+    }
+}
+
 /// [`Heads`]' backward written into the heads' columns of a d(x) buffer (contiguous, x's
 /// shape and dtype), over (x, the outputs' gradient).
-struct HeadsInto(Heads);
+struct HeadsInto(Heads, Option<HeadsDst>);
 
 impl candle_core::InplaceOp3 for HeadsInto {
     fn name(&self) -> &'static str {
@@ -345,9 +513,9 @@ impl candle_core::InplaceOp3 for HeadsInto {
         macro_rules! go {
             ($x:expr, $out:expr) => {
                 match g {
-                    CpuStorage::F32(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
-                    CpuStorage::BF16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
-                    CpuStorage::F16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob]),
+                    CpuStorage::F32(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob], self.1.as_ref()),
+                    CpuStorage::BF16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob], self.1.as_ref()),
+                    CpuStorage::F16(g) => self.0.bwd_cpu_into($x, &r, &g[a..b], &mut $out[oa..ob], self.1.as_ref()),
                     _ => candle_core::bail!("heads backward: unsupported dtype"),
                 }
             };
@@ -383,7 +551,8 @@ impl candle_core::InplaceOp3 for HeadsInto {
                 r.width
             );
         }
-        super::cuda::heads_bwd_into(out, oa, x, (r.offset, r.stride), (r.rows, r.width), (g, gl), &self.0)
+        let rows = (r.rows, r.width);
+        super::cuda::heads_bwd_into(out, oa, x, (r.offset, r.stride), rows, (g, gl), &self.0, self.1.as_ref())
     }
 }
 
@@ -568,6 +737,49 @@ mod tests {
             assert_eq!(want.narrow(2, 1 + 36, 3)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
         }
         assert!(heads_qkv(&wide, q, k, Heads { off: 30, heads: 4, d: 3, rep: 1, norm: None }).is_err());
+        Ok(())
+    }
+
+    /// q and k normed straight into chunks equal the heads laid out afterwards (the rows past T
+    /// zero), the keys alone too, v as the grouped parts give it; the gradient of the rows is the
+    /// same, in a second backward too; on a column slice, with padding, in float32 and bf16.
+    #[test]
+    fn chunked_heads_match_heads_then_layout() -> Result<()> {
+        use crate::ops::chunk_layout::{to_chunks, to_chunks_pair};
+        let dev = Device::Cpu;
+        let (b, t, c) = (2, 7, 4);
+        let wide = Tensor::randn(0f32, 1.0, (b, t, 40), &dev)?;
+        let (q, k, v) = (
+            Heads { off: 0, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 12, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 24, heads: 4, d: 3, rep: 1, norm: None },
+        );
+        for dtype in [DType::F32, DType::BF16] {
+            let x = candle_core::Var::from_tensor(&wide.to_dtype(dtype)?)?;
+            let rows = x.as_tensor().narrow(2, 1, 38)?;
+            let (qk, keys, tv) = heads_qk_chunks(&rows, q, k, v, c)?;
+            let (rq, rk, rv) = heads_qkv(&rows, q, k, v)?;
+            let want = to_chunks_pair(&rq, &rk, c)?;
+            assert_eq!(qk.dims(), want.dims());
+            assert_eq!(max_diff(&qk, &want), 0.0, "q | k ({dtype:?})");
+            assert_eq!(max_diff(&keys, &to_chunks(&rk, c)?), 0.0, "keys ({dtype:?})");
+            assert!(!keys.track_op(), "the keys are the kernels' copy, outside the graph");
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            assert_eq!(max_diff(&f(&tv), &f(&rv)), 0.0, "v ({dtype:?})");
+            let (w1, w2) = (Tensor::randn(0f32, 1.0, qk.dims(), &dev)?, Tensor::randn(0f32, 1.0, tv.dims(), &dev)?);
+            let grad = |a: &Tensor, v: &Tensor| -> Result<Tensor> {
+                let g = ((a * &w1)?.sum_all()? + (f(v) * &w2)?.sum_all()?)?.backward()?;
+                Ok(f(g.get(x.as_tensor()).expect("a gradient")))
+            };
+            let expect = grad(&want, &rv)?;
+            for pass in 0..2 {
+                let got = grad(&qk, &tv)?;
+                assert!(max_diff(&got, &expect) < 1e-6, "gradient, backward {pass} ({dtype:?})");
+            }
+        }
+        let odd = Heads { off: 12, heads: 2, d: 5, rep: 2, norm: Some(1e-6) };
+        assert!(heads_qk_chunks(&wide, q, odd, v, c).is_err(), "q and k of different widths");
+        assert!(heads_qk_chunks(&wide, q, Heads { norm: None, ..k }, v, c).is_err(), "unnormed keys");
         Ok(())
     }
 }
