@@ -11,7 +11,7 @@ use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
 use crate::ops::norm::{l2_norm, RmsNorm};
-use crate::ops::prep::QkvPrep;
+use crate::ops::prep::{Heads, QkvPrep};
 use crate::ops::{repeat_heads, softplus};
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
@@ -268,6 +268,12 @@ impl LinearAttention {
             && mixed.dtype() != f32
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
             && crate::ops::delta_rule::Kernel::chunks_without_gradients(dev, (b, t, d.v_heads), d.dk, d.dv);
+        // q and k L2-normed and repeated for the value heads that read them, v copied: the parts
+        // of the heads ops below.
+        let eps = Some(L2_EPS as f32);
+        let hq = Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps };
+        let (hk, hv) = (Heads { off: kd, ..hq }, Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None });
+        let scale = (d.dk as f64).powf(-0.5);
         // With gradients on the chunk kernels, q and k are normed straight into the kernels'
         // chunked layout (see `ops::prep::heads_qk_chunks`).
         let trained_chunks = !fused
@@ -279,18 +285,10 @@ impl LinearAttention {
             && !obs.wants_state()
             && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk);
         if trained_chunks {
-            use crate::ops::prep::Heads;
-            let eps = Some(L2_EPS as f32);
-            let (qk, keys, v) = crate::ops::prep::heads_qk_chunks(
-                &mixed,
-                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
-                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
-                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None },
-                crate::ops::chunked::chunk_len(t),
-            )?;
+            let c = crate::ops::chunked::chunk_len(t);
+            let (qk, keys, v) = crate::ops::prep::heads_qk_chunks(&mixed, hq, hk, hv, c)?;
             let o = {
                 let _s = crate::profile::span("recurrence", dev);
-                let scale = (d.dk as f64).powf(-0.5);
                 crate::ops::chunked::delta_from_chunks(&qk, &keys, &v, &beta, g.as_ref(), scale)?
             };
             return self.output(x, o, p.z.as_ref());
@@ -299,14 +297,7 @@ impl LinearAttention {
             // For the chunk kernels, and with gradients on a GPU: one op per part, each reading
             // its columns in place, their backwards writing one d(mixed) (see
             // `ops::prep::heads_qkv`).
-            use crate::ops::prep::Heads;
-            let eps = Some(L2_EPS as f32);
-            crate::ops::prep::heads_qkv(
-                &mixed,
-                Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
-                Heads { off: kd, heads: d.heads, d: d.dk, rep: d.r(), norm: eps },
-                Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None },
-            )?
+            crate::ops::prep::heads_qkv(&mixed, hq, hk, hv)?
         } else if fused {
             let prep = QkvPrep { heads: d.heads, v_heads: d.v_heads, dk: d.dk, dv: d.dv, eps: L2_EPS as f32 };
             prep.run(&mixed)?
@@ -324,7 +315,7 @@ impl LinearAttention {
             beta: &beta,
             g: g.as_ref(),
             gk: gk.as_ref(),
-            scale: (d.dk as f64).powf(-0.5),
+            scale,
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };

@@ -774,7 +774,7 @@ pub fn heads(x: &CudaStorage, (offset, xs): (usize, usize), rows: usize, p: &Hea
 ///
 /// # Safety
 /// Without `zero` the contents are undefined: the caller writes every element it reads.
-unsafe fn alloc_dtype(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
+pub(crate) unsafe fn alloc_dtype(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> Result<CudaStorage> {
     macro_rules! alloc {
         ($ty:ty) => {{
             let s = if zero { dev.alloc_zeros::<$ty>(n)? } else { dev.alloc::<$ty>(n)? };
@@ -785,7 +785,7 @@ unsafe fn alloc_dtype(dev: &CudaDevice, dtype: DType, n: usize, zero: bool) -> R
         DType::F32 => alloc!(f32),
         DType::BF16 => alloc!(half::bf16),
         DType::F16 => alloc!(half::f16),
-        dt => candle_core::bail!("heads: unsupported dtype {dt:?}"),
+        dt => candle_core::bail!("alloc: unsupported dtype {dt:?}"),
     })
 }
 

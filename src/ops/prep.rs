@@ -112,18 +112,19 @@ impl Heads {
     }
 
     /// The normed heads of x's rows written into `out` laid out by `dst` (and into `keys`, in
-    /// chunks of width d at column 0, when given): the CPU half of [`heads_qk_chunks`].
-    fn fwd_cpu_chunks<T: WithDType>(
+    /// chunks of width d at column 0, when given with chunks): the CPU half of the normed
+    /// [`Heads`] and of [`heads_qk_chunks`].
+    fn fwd_cpu_into<T: WithDType>(
         &self,
         x: &[T],
         r: &Rows,
-        dst: &HeadsDst,
+        dst: Option<&HeadsDst>,
         out: &mut [f32],
         keys: Option<&mut [f32]>,
     ) {
         let (h, d, rep) = (self.heads, self.d, self.rep);
         let eps = self.norm.unwrap_or(0.0);
-        let alone = HeadsDst { w: d, col: 0, ..*dst };
+        let alone = dst.map(|o| HeadsDst { w: d, col: 0, ..*o });
         let mut keys = keys;
         for row in 0..r.rows {
             for kh in 0..h {
@@ -133,8 +134,8 @@ impl Heads {
                     None => 1.0,
                 };
                 for j in 0..rep {
-                    let o = HeadsDst::at(Some(dst), row, kh * rep + j, h * rep, d, r.rows);
-                    let a = HeadsDst::at(Some(&alone), row, kh * rep + j, h * rep, d, r.rows);
+                    let o = HeadsDst::at(dst, row, kh * rep + j, h * rep, d, r.rows);
+                    let a = HeadsDst::at(alone.as_ref(), row, kh * rep + j, h * rep, d, r.rows);
                     for (i, v) in xs.iter().enumerate() {
                         out[o + i] = v / n;
                         if let Some(k) = keys.as_deref_mut() {
@@ -164,20 +165,9 @@ impl Heads {
         let (h, d, rep) = (self.heads, self.d, self.rep);
         let head = |row: usize, kh: usize| &r.row(x, row)[self.off + kh * d..][..d];
         match self.norm {
-            Some(eps) => {
+            Some(_) => {
                 let mut out = vec![0f32; r.rows * h * rep * d];
-                for row in 0..r.rows {
-                    for kh in 0..h {
-                        let xs: Vec<f32> = head(row, kh).iter().map(|v| v.to_f64() as f32).collect();
-                        let n = (xs.iter().map(|v| v * v).sum::<f32>() + eps).sqrt();
-                        for j in 0..rep {
-                            let o = ((row * h + kh) * rep + j) * d;
-                            for (i, v) in xs.iter().enumerate() {
-                                out[o + i] = v / n;
-                            }
-                        }
-                    }
-                }
+                self.fwd_cpu_into(x, r, None, &mut out, None);
                 CpuStorage::F32(out)
             }
             None => {
@@ -283,6 +273,19 @@ pub fn heads_qkv(x: &Tensor, q: Heads, k: Heads, v: Heads) -> Result<(Tensor, Te
 /// The d(x) that [`heads_qkv`]'s parts write into, between their backwards.
 type Slot = Arc<Mutex<Option<Tensor>>>;
 
+fn lock(slot: &Slot) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
+    slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))
+}
+
+/// The d(x) buffer in `slot` (taken out), or fresh zeros of x's shape when there is none or the
+/// caller `opens` it.
+fn take_or_zeros(slot: &mut Option<Tensor>, x: &Tensor, opens: bool) -> Result<Tensor> {
+    match slot.take() {
+        Some(b) if !opens => Ok(b),
+        _ => Tensor::zeros(x.shape(), x.dtype(), x.device()),
+    }
+}
+
 /// One part of [`heads_qkv`]: a [`Heads`] whose backward writes into the shared d(x); `opens`:
 /// the part whose backward runs first (it starts d(x) afresh).
 struct Part {
@@ -294,18 +297,11 @@ struct Part {
 impl Part {
     /// Write this part's columns of d(x) from the output's gradient into the shared buffer.
     fn deposit(&self, x: &Tensor, grad: &Tensor) -> Result<()> {
-        let mut slot = self.lock()?;
-        let buf = match slot.take() {
-            Some(b) if !self.opens => b,
-            _ => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
-        };
+        let mut slot = lock(&self.slot)?;
+        let buf = take_or_zeros(&mut slot, x, self.opens)?;
         self.heads.grad_into(&buf, x, grad, None)?;
         *slot = Some(buf);
         Ok(())
-    }
-
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
-        self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))
     }
 
     fn fwd_cpu(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -330,7 +326,7 @@ impl CustomOp1 for Part {
     /// The last backward of the three: hands over d(x) whole.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         self.deposit(x, grad)?;
-        Ok(self.lock()?.take())
+        Ok(lock(&self.slot)?.take())
     }
 }
 
@@ -431,8 +427,8 @@ impl CustomOp1 for QkChunks {
         let mut keys = vec![0f32; kshape.elem_count()];
         macro_rules! go {
             ($x:expr) => {{
-                self.q.fwd_cpu_chunks($x, &r, &qd, &mut out, None);
-                self.k.fwd_cpu_chunks($x, &r, &kd, &mut out, Some(&mut keys));
+                self.q.fwd_cpu_into($x, &r, Some(&qd), &mut out, None);
+                self.k.fwd_cpu_into($x, &r, Some(&kd), &mut out, Some(&mut keys));
             }};
         }
         match x {
@@ -450,18 +446,11 @@ impl CustomOp1 for QkChunks {
         use candle_core::backend::BackendStorage;
         let r = Rows::of(l, "heads in chunks")?;
         let (qd, kd, shape, kshape) = self.plan(r.rows)?;
-        let dev = x.device();
         // Rows past T in the last chunk are never written: zeros there.
         let pad = !self.t.is_multiple_of(self.c);
-        let alloc = |n: usize| -> Result<candle_core::CudaStorage> {
-            let s = match pad {
-                true => dev.alloc_zeros::<f32>(n)?,
-                // SAFETY: q and k write every element of a chunk row of the pairs, and k every
-                // element of the keys, when the chunks hold no padding.
-                false => unsafe { dev.alloc::<f32>(n)? },
-            };
-            Ok(candle_core::CudaStorage::wrap_cuda_slice(s, dev.clone()))
-        };
+        // SAFETY: without padding, q and k write every element of a chunk row of the pairs, and
+        // k every element of the keys.
+        let alloc = |n: usize| unsafe { super::cuda::alloc_dtype(x.device(), candle_core::DType::F32, n, pad) };
         let (mut out, mut keys) = (alloc(shape.elem_count())?, alloc(kshape.elem_count())?);
         let at = (r.offset, r.stride);
         super::cuda::heads_into(&mut out, None, x, at, r.rows, &self.q, Some(&qd))?;
@@ -475,11 +464,7 @@ impl CustomOp1 for QkChunks {
     /// The last backward of the chain: q's and k's columns of d(x), then d(x) whole.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (qd, kd, _, _) = self.plan(x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1))?;
-        let mut slot = self.slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))?;
-        let buf = match slot.take() {
-            Some(b) => b,
-            None => Tensor::zeros(x.shape(), x.dtype(), x.device())?,
-        };
+        let buf = take_or_zeros(&mut *lock(&self.slot)?, x, false)?;
         self.q.grad_into(&buf, x, grad, Some(qd))?;
         self.k.grad_into(&buf, x, grad, Some(kd))?;
         Ok(Some(buf))
