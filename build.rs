@@ -1,5 +1,6 @@
-//! With `--features cuda`, compile src/ops/kernels.cu for the custom ops in src/ops/cuda.rs: a
-//! fat binary with machine code for CUDA_COMPUTE_CAP (no JIT at first use) and PTX for newer GPUs.
+//! With `--features cuda`, compile the custom ops' kernels (src/ops/cuda/kernels.cu, which
+//! includes the other .cu files there) into a fat binary with machine code for CUDA_COMPUTE_CAP
+//! (no JIT at first use) and PTX for newer GPUs.
 
 use std::env;
 use std::path::PathBuf;
@@ -7,7 +8,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
-    println!("cargo::rerun-if-changed=src/ops/kernels.cu");
+    println!("cargo::rerun-if-changed=src/ops/cuda");
     println!("cargo::rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo::rustc-check-cfg=cfg(tensor_cores)");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -24,9 +25,9 @@ fn main() {
     let ptx = format!("arch=compute_{cap},code=compute_{cap}");
     let nvcc = env::var("CUDA_HOME").map(|h| PathBuf::from(h).join("bin/nvcc")).unwrap_or_else(|_| "nvcc".into());
     let status = Command::new(&nvcc)
-        .args(["--fatbin", "-O3", "-std=c++17", "-gencode", &sass, "-gencode", &ptx, "src/ops/kernels.cu", "-o"])
+        .args(["--fatbin", "-O3", "-std=c++17", "-gencode", &sass, "-gencode", &ptx, "src/ops/cuda/kernels.cu", "-o"])
         .arg(&out)
         .status()
         .unwrap_or_else(|e| panic!("--features cuda needs nvcc ({}): {e}; set CUDA_HOME", nvcc.display()));
-    assert!(status.success(), "nvcc failed on src/ops/kernels.cu");
+    assert!(status.success(), "nvcc failed on src/ops/cuda/kernels.cu");
 }

@@ -310,7 +310,7 @@ impl FusedConv {
 
 /// The backward of [`FusedConv`]'s causal form over (x, w | bias [C, K+1] float32, dy) on the
 /// CPU: float32 dx [B·L·C] followed by dw | dbias [C·(K+1)]. It is the reference of
-/// `conv_silu_bwd` in kernels.cu, which writes dx in x's dtype and partial sums per tile.
+/// `conv_silu_bwd` in cuda/conv.cu, which writes dx in x's dtype and partial sums per tile.
 struct ConvBwd {
     act: bool,
 }

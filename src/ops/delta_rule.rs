@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 const CHUNK: usize = 64;
 
-/// Widest key dimension the fused CUDA kernel takes (`recurrence` in kernels.cu).
+/// Widest key dimension the fused CUDA kernel takes (`recurrence` in cuda/recurrence.cu).
 const MAX_FUSED_DK: usize = 1024;
 
 /// When a delta-rule layer's pass without gradients on a GPU takes the chunk kernels instead of
@@ -317,7 +317,7 @@ impl CustomOp1 for RecurrenceOp {
 /// The forward as one op over q, k, v (float32, contiguous [B,T,H,·]) with the other inputs
 /// held by the op, output o [B,T,H,dv] followed by the final state [B,H,dk,dv], flat:
 /// [`forward_all`] on the packed inputs on the CPU; one CUDA kernel reading every input where
-/// it lies on GPUs (`recurrence` in kernels.cu, the same sequential float32 math), so nothing
+/// it lies on GPUs (`recurrence` in cuda/recurrence.cu, the same sequential float32 math), so nothing
 /// is packed there. Not differentiable.
 struct FusedOp {
     op: RecurrenceOp,

@@ -29,7 +29,7 @@ pub fn kd_rows(student: &Tensor, teacher: Option<&Tensor>, targets: &Tensor, tem
 }
 
 /// The forward over (student, teacher, targets): rows of [`STATS`] float32. The CPU half defines
-/// it; the CUDA half is `kd_rows` in kernels.cu.
+/// it; the CUDA half is `kd_rows` in cuda/distill.cu.
 struct KdRows {
     inv_temp: f32,
     kd: bool,

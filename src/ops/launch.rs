@@ -1,5 +1,5 @@
 //! The sizes an op and its CUDA kernel agree on: each op's module computes with them, and
-//! `cuda.rs` launches its kernels from them, so neither imports the other.
+//! `cuda` launches its kernels from them, so neither imports the other.
 
 /// Sizes of one step: `b` sequences, `heads` key heads of width `dk`, `v_heads` value heads of
 /// width `dv`, a short conv of `kernel` taps.
@@ -38,7 +38,7 @@ pub struct Heads {
 
 /// Where [`Heads`] write their output (and read its gradient): rows of heads [rows, heads·rep, d]
 /// by default; with `Some`, the chunked recurrence's layout [N, B·heads·rep, c, w] at column
-/// `col`, rows b·t + i being position i % c of chunk i / c (see `heads_at` in kernels.cu).
+/// `col`, rows b·t + i being position i % c of chunk i / c (see `heads_at` in cuda/prep.cu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadsDst {
     /// Steps per sequence.
@@ -70,7 +70,7 @@ impl HeadsDst {
     }
 }
 
-/// State columns per GPU block (see `chunk_walk_*` in kernels.cu).
+/// State columns per GPU block (see `chunk_walk_*` in cuda/chunk_walk.cu).
 #[cfg(feature = "cuda")]
 pub(crate) const TILE: usize = 32;
 /// The widest key the GPU kernels take: a block holds its tile of the state and of G in shared
@@ -79,7 +79,7 @@ pub(crate) const MAX_DK: usize = 256;
 
 /// Columns per row of the distillation loss op's output (ce, kl, then the log-sum-exps of the
 /// student at 1 and at T and of the teacher at T; see `ops::distill` and `kd_rows` in
-/// kernels.cu).
+/// cuda/distill.cu).
 pub(crate) const KD_STATS: usize = 5;
 
 /// Sizes of one walk: N chunks of C steps for BH heads.

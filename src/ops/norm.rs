@@ -157,7 +157,7 @@ fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Res
 
 /// The gated RMSNorm as one op over (x, gate, float32 weight): rows of the last dimension,
 /// float32 inside, one rounding to x's dtype, laid out as the gate. The CPU half defines it;
-/// the CUDA half is `gated_rms` in kernels.cu. Ungated (`gated` false), the gate is not read.
+/// the CUDA half is `gated_rms` in cuda/norm.cu. Ungated (`gated` false), the gate is not read.
 pub(crate) struct GatedRms {
     eps: f32,
     gated: bool,
@@ -367,7 +367,7 @@ fn rms_grads_gpu(
 
 /// The backward of [`GatedRms`] over (x, gate, dy) on the CPU, with the float32 weight held by
 /// the op: float32 dx [rows·n], dgate [rows·n] when gated, then dw [n]. It is the reference of
-/// `rms_bwd` in kernels.cu, which writes dx and dgate in x's dtype (see `rms_grads_gpu`).
+/// `rms_bwd` in cuda/norm.cu, which writes dx and dgate in x's dtype (see `rms_grads_gpu`).
 struct RmsBwd {
     eps: f32,
     gated: bool,

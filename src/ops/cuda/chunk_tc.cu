@@ -1,0 +1,706 @@
+// The chunk kernels on tensor cores: the `_tc` forms of the walk, the solve and the outputs.
+#pragma once
+#include "common.cuh"
+#include "chunk_walk.cu"
+#include "chunk_intra.cu"
+#include "chunk_out.cu"
+
+// ---- The chunk kernels on tensor cores (the `_tc` forms, for bf16 and f16 models) ----
+// The same ops as the float32 kernels above, with their products on mma.sync m16n8k8: operands
+// as TF32 (10-bit mantissa, finer than the bf16 the model's inputs were), sums and state in
+// float32. The mma reads a float's top 19 bits, so the operands go in as they are, truncated:
+// rounding them first (cvt.rna) cost a conversion per element, 2-5% of the kernels' time. A
+// warp multiplies 16 x 8 tiles of an M x N product; its tiles are warp + 8 s for slot s < S,
+// accumulated in registers across calls (one call per staged slice of K). Operands are strided
+// views of shared memory, so a transpose is a choice of strides. Staged tiles use row stride
+// TC_TP (≡ 4 mod 32, so a warp's row-major fragment reads hit 32 distinct banks) and the [c, c]
+// matrices TC_P.
+#define TC_TP 36
+#define TC_P 68
+
+struct TcView {
+  const float *p;
+  int rs, cs;
+  __device__ __forceinline__ float at(int i, int j) const { return p[i * rs + j * cs]; }
+};
+
+__device__ __forceinline__ unsigned tc_bits(float x) { return __float_as_uint(x); }
+
+// c += A[m0.., k0..k0+8] B[k0..k0+8, n0..] for one 16 x 8 tile (g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, const TcView &b, int n0, int k0, int g,
+                                       int t) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned a0 = tc_bits(a.at(m0 + g, k0 + t)), a1 = tc_bits(a.at(m0 + g + 8, k0 + t)),
+                 a2 = tc_bits(a.at(m0 + g, k0 + t + 4)), a3 = tc_bits(a.at(m0 + g + 8, k0 + t + 4));
+  const unsigned b0 = tc_bits(b.at(k0 + t, n0 + g)), b1 = tc_bits(b.at(k0 + t + 4, n0 + g));
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // chunk.rs launches the _tc kernels only on compute capability 8.0 and above
+#endif
+}
+
+// The warp's tile in slot s of an M x N product (M % 16 == 0, N % 8 == 0), if it has one.
+__device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
+  const int tile = threadIdx.x / 32 + (blockDim.x / 32) * s, tn = N / 8;
+  if (tile >= (M / 16) * tn) return false;
+  m0 = tile / tn * 16;
+  n0 = tile % tn * 8;
+  return true;
+}
+
+// acc += A B over K (K % 8 == 0) on the warp's tiles; `lower` skips tiles wholly above the
+// diagonal, which stay as they are (zero for products that are causal).
+template <int S>
+__device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcView a, TcView b, bool lower) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0) || (lower && n0 > m0 + 15)) continue;
+    for (int k0 = 0; k0 < K; k0 += 8) tc_mma(acc[s], a, m0, b, n0, k0, g, t);
+  }
+}
+
+template <int S> __device__ __forceinline__ void tc_zero(float acc[S][4]) {
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[s][i] = 0.0f;
+}
+
+// f(row, col, x, y) for the element pairs (col, col + 1) of the warp's tiles (col even).
+template <int S, typename F> __device__ __forceinline__ void tc_each_pair(float acc[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    f(m0 + g, n0 + 2 * t, acc[s][0], acc[s][1]);
+    f(m0 + g + 8, n0 + 2 * t, acc[s][2], acc[s][3]);
+  }
+}
+
+// f(row, col, value) for every element of the warp's tiles, in tc_each_pair's order.
+template <int S, typename F> __device__ __forceinline__ void tc_each(float acc[S][4], int M, int N, F f) {
+  tc_each_pair<S>(acc, M, N, [&](int r, int c, float x, float y) {
+    f(r, c, x);
+    f(r, c + 1, y);
+  });
+}
+
+// x and y to row[col] and row[col + 1] where those columns are below width (col even): one 8-byte
+// store when both are and the width is even (rows 8-byte aligned), so that a warp's stores fill
+// the 32-byte sectors they touch, where single floats filled half of each.
+__device__ __forceinline__ void tc_store2(float *row, int col, int width, float x, float y) {
+  if ((width & 1) == 0 && col + 1 < width) {
+    *reinterpret_cast<float2 *>(row + col) = make_float2(x, y);
+  } else {
+    if (col < width) row[col] = x;
+    if (col + 1 < width) row[col + 1] = y;
+  }
+}
+
+// chunk_stage at row stride TC_TP, four columns a load where the rows are 16-byte aligned.
+__device__ __forceinline__ void tc_stage(const float *src, int ld, int width, int col0, int valid, int rows,
+                                         const float *scale, float *tile) {
+  if (((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0) {
+    for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
+      const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
+      float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (t < valid && col0 + r < width) {
+        x = *reinterpret_cast<const float4 *>(src + (long long)t * ld + col0 + r);
+        if (scale) {
+          const float f = scale[t];
+          x = make_float4(x.x * f, x.y * f, x.z * f, x.w * f);
+        }
+      }
+      *reinterpret_cast<float4 *>(tile + t * TC_TP + r) = x;
+    }
+    return;
+  }
+  chunk_stage(src, ld, width, col0, valid, rows, scale, tile, TC_TP);
+}
+
+// Row-major [rows, TC_TP] and [c, c] views, and their transposes.
+__device__ __forceinline__ TcView tc_rows(const float *p) { return TcView{p, TC_TP, 1}; }
+__device__ __forceinline__ TcView tc_cols(const float *p) { return TcView{p, 1, TC_TP}; }
+__device__ __forceinline__ TcView tc_sq(const float *p) { return TcView{p, TC_P, 1}; }
+__device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, TC_P}; }
+
+// acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
+// ldb), staged 32 columns at a time through ta and tb.
+__device__ void tc_lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
+                                  float *tb, float acc[4][4]) {
+  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
+    tc_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
+    tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    tc_acc<4>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
+    __syncthreads();
+  }
+}
+
+// P = scale (Q Kᵀ) ∘ D (zero above the diagonal and past c) into P [64, TC_P].
+__device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const float *gam, float *ta, float *tb,
+                              float *P) {
+  float acc[4][4];
+  tc_zero<4>(acc);
+  tc_lower_products(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc);
+  tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
+    P[t * TC_P + j] = j <= t && t < c ? scale * x * __expf(gam[t] - gam[j]) : 0.0f;
+  });
+}
+
+// chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two tiles [64, TC_TP], γ and
+// scale·e^γ.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_out_fwd_tc(const float *qk, const float *walked, const float *gamma, float *out, long long blocks, int c,
+                     int dk, int dv, float scale) {
+  extern __shared__ float osm[];
+  float *P = osm, *ta = P + INTRA_C * TC_P, *tb = ta + INTRA_C * TC_TP, *gam = tb + INTRA_C * TC_TP;
+  float *qs = gam + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
+  float *o = out + blk * c * dv;
+  for (int i = threadIdx.x; i < INTRA_C; i += blockDim.x) {
+    gam[i] = i < c ? gamma[blk * c + i] : 0.0f;
+    qs[i] = scale * __expf(gam[i]);
+  }
+  __syncthreads();
+  tc_out_scores(q, c, dk, scale, gam, ta, tb, P);
+  __syncthreads();
+  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+    float acc[2][4];
+    tc_zero<2>(acc);
+    // diag(scale e^γ) Q S over key tiles: ta holds Q's columns r0.., tb rows r0.. of S.
+    for (int r0 = 0; r0 < dk; r0 += INTRA_TW) {
+      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, qs, ta);
+      tc_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
+      __syncthreads();
+      tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(ta), tc_rows(tb), false);
+      __syncthreads();
+    }
+    tc_stage(u, dv, dv, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tb), false);
+    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+      if (t < c) tc_store2(o + (long long)t * dv, col0 + j, dv, x, y);
+    });
+    __syncthreads();
+  }
+}
+
+// chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], three tiles [64,
+// TC_TP], γ, scale·e^γ and dγ.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
+                     float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
+  extern __shared__ float osm[];
+  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
+  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL, *X = tb + TL;
+  float *gam = X + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
+  const float *go = grad + blk * c * dv;
+  float *dqk = dqk_out + blk * c * 2 * dk, *du = out + blk * c * dv;
+  float *ds = out + blocks * c * dv + blk * dk * dv, *dgo = out + walked_len + blk * c;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int i = tid; i < INTRA_C; i += blockDim.x) {
+    gam[i] = i < c ? gamma[blk * c + i] : 0.0f;
+    qs[i] = scale * __expf(gam[i]);
+    dg[i] = 0.0f;
+  }
+  __syncthreads();
+  tc_out_scores(q, c, dk, scale, gam, ta, tb, P);
+  __syncthreads();
+
+  // E = dO Uᵀ, and dU = Pᵀ dO on the way.
+  float e[4][4];
+  tc_zero<4>(e);
+  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+    tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, ta);
+    tc_stage(u, dv, dv, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    tc_acc<4>(e, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
+    float x[2][4];
+    tc_zero<2>(x);
+    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(ta), false);
+    tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
+      if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
+    });
+    __syncthreads();
+  }
+  // ED = E ∘ D; F = E ∘ P over P (strictly below the diagonal: the diagonal's terms cancel).
+  // Each element is read and written by the thread that holds it.
+  tc_each<4>(e, INTRA_C, INTRA_C, [&](int t, int j, float x) {
+    const bool in = j <= t && t < c;
+    ED[t * TC_P + j] = in ? x * __expf(gam[t] - gam[j]) : 0.0f;
+    P[t * TC_P + j] = in && j < t ? x * P[t * TC_P + j] : 0.0f;
+  });
+  __syncthreads();
+  if (tid < c) {
+    float x = 0.0f;
+    for (int j = 0; j < tid; ++j) x += P[tid * TC_P + j];
+    for (int t = tid + 1; t < c; ++t) x -= P[t * TC_P + tid];
+    dg[tid] += x;
+  }
+  __syncthreads();
+
+  // dS = (diag(scale e^γ) Q)ᵀ dO, by key tile and column tile (32 x 32: one tile a warp).
+  for (int r0 = 0; r0 < dk; r0 += INTRA_TW)
+    for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, qs, ta);
+      tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, tb);
+      __syncthreads();
+      float x[1][4];
+      tc_zero<1>(x);
+      tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols(ta), tc_rows(tb), false);
+      tc_each_pair<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v, float w) {
+        if (r0 + r < dk) tc_store2(ds + (long long)(r0 + r) * dv, col0 + col, dv, v, w);
+      });
+      __syncthreads();
+    }
+
+  // By key tile: X = diag(e^γ) dO Sᵀ, dQ̃ = X + ED K, dK = EDᵀ Q̃, and e^γ q̃·(dO Sᵀ) into dγ.
+  for (int r0 = 0; r0 < dk; r0 += INTRA_TW) {
+    float x[2][4];
+    tc_zero<2>(x);
+    for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+      tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, ta);
+      tc_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
+      __syncthreads();
+      tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(ta), tc_cols(tb), false);
+      __syncthreads();
+    }
+    tc_each<2>(x, INTRA_C, INTRA_TW, [&](int t, int r, float v) { X[t * TC_TP + r] = __expf(gam[t]) * v; });
+    tc_stage(q + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
+    tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    for (int t = warp; t < c; t += blockDim.x / 32) {
+      const float s = warp_sum(X[t * TC_TP + lane] * tb[t * TC_TP + lane]);
+      if (lane == 0) dg[t] += scale * s;
+    }
+    float y[2][4], z[2][4];
+    tc_zero<2>(y);
+    tc_zero<2>(z);
+    tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ta), false);
+    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tb), false);
+    tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+      const float *xr = X + t * TC_TP + r;
+      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
+    });
+    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
+    });
+    __syncthreads();
+  }
+  for (int i = tid; i < c; i += blockDim.x) dgo[i] = dg[i];
+}
+
+// out = T · diag(scale) src over every column, tile by tile (intra_apply on tensor cores).
+__device__ void tc_intra_apply(const float *T, const float *src, int width, int c, const float *scale, float *tile,
+                               float *out) {
+  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
+    tc_stage(src, width, width, col0, c, INTRA_C, scale, tile);
+    __syncthreads();
+    float acc[2][4];
+    tc_zero<2>(acc);
+    tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(tile), false);
+    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+      if (t < c) tc_store2(out + (long long)t * width, col0 + j, width, x, y);
+    });
+    __syncthreads();
+  }
+}
+
+// A = −β_t e^{γ_t − γ_j} (K Kᵀ)_tj below the diagonal into A [64, TC_P] (zero elsewhere); the
+// Gram matrix itself into G when given.
+__device__ void tc_intra_system(const float *k, int c, int dk, const float *bet, const float *gam, float *ta,
+                                float *tb, float *A, float *G) {
+  float acc[4][4];
+  tc_zero<4>(acc);
+  tc_lower_products(k, dk, k, dk, dk, c, ta, tb, acc);
+  tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
+    if (G) G[t * TC_P + j] = x;
+    A[t * TC_P + j] = j < t && t < c ? -bet[t] * __expf(gam[t] - gam[j]) * x : 0.0f;
+  });
+}
+
+// chunk_intra_fwd_f32 on tensor cores; shared memory A and T [64, TC_P], two tiles [64, TC_TP],
+// β, γ, β e^γ.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_intra_fwd_tc(const float *k, const float *v, const float *scal, float *w_out, float *kc_out,
+                       long long blocks, int c, int dk, int dv) {
+  extern __shared__ float ism[];
+  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
+  float *A = ism, *T = A + SQ, *ta = T + SQ, *tb = ta + TL;
+  float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
+  for (int i = threadIdx.x; i < INTRA_C; i += blockDim.x) {
+    bet[i] = i < c ? scal[blk * c + i] : 0.0f;
+    gam[i] = i < c ? scal[(blocks + blk) * c + i] : 0.0f;
+    ys[i] = bet[i] * __expf(gam[i]);
+  }
+  __syncthreads();
+  tc_intra_system(kb, c, dk, bet, gam, ta, tb, A, nullptr);
+  __syncthreads();
+  intra_invert(A, c, T, TC_P);
+  __syncthreads();
+  tc_intra_apply(T, vb, dv, c, bet, ta, w_out + blk * c * dv);
+  tc_intra_apply(T, kb, dk, c, ys, ta, kc_out + blk * c * dk);
+}
+
+// chunk_intra_bwd_f32 on tensor cores; shared memory G, T, D, M [64, TC_P], three tiles [64,
+// TC_TP] and five per-token scalars.
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad_w,
+                       const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
+  extern __shared__ float ism[];
+  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
+  float *G = ism, *T = G + SQ, *D = T + SQ, *M = D + SQ, *ta = M + SQ, *tb = ta + TL, *X = tb + TL;
+  float *bet = X + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
+  const long long blk = blockIdx.x;
+  const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
+  const float *gw = grad_w + blk * c * dv, *gkc = grad_kc + blk * c * dk;
+  float *dk_out = out + blk * c * dk, *dv_out = out + blocks * c * dk + blk * c * dv;
+  float *db_out = out + blocks * c * (dk + dv) + blk * c, *dg_out = db_out + blocks * c;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
+  for (int i = tid; i < INTRA_C; i += blockDim.x) {
+    bet[i] = i < c ? scal[blk * c + i] : 0.0f;
+    gam[i] = i < c ? scal[(blocks + blk) * c + i] : 0.0f;
+    ys[i] = bet[i] * __expf(gam[i]);
+    dbet[i] = 0.0f;
+    dgam[i] = 0.0f;
+  }
+  __syncthreads();
+  tc_intra_system(kb, c, dk, bet, gam, ta, tb, M, G);
+  __syncthreads();
+  intra_invert(M, c, T, TC_P);
+  __syncthreads();
+
+  // dT = dW (βV)ᵀ + dKc (β e^γ K)ᵀ, with dX = Tᵀ dW (→ dV, and v·dX into dβ) on the way.
+  float ax[4][4], ay[4][4];
+  tc_zero<4>(ax);
+  tc_zero<4>(ay);
+  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
+    tc_stage(gw, dv, dv, col0, c, INTRA_C, nullptr, ta);
+    tc_stage(vb, dv, dv, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    tc_acc<4>(ax, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
+    float x[2][4];
+    tc_zero<2>(x);
+    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
+    tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
+    __syncthreads();
+    for (int j = warp; j < c; j += warps) {
+      const float dx = X[j * TC_TP + lane];
+      if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
+      const float s = warp_sum(dx * tb[j * TC_TP + lane]);
+      if (lane == 0) dbet[j] += s;
+    }
+    __syncthreads();
+  }
+  tc_lower_products(gkc, dk, kb, dk, dk, c, ta, tb, ay);
+  // ax and ay hold the same elements in the same threads.
+  tc_each<4>(ax, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
+  tc_each<4>(ay, INTRA_C, INTRA_C, [&](int t, int j, float y) {
+    D[t * TC_P + j] = j < t && t < c ? bet[j] * D[t * TC_P + j] + kc_sign * ys[j] * y : 0.0f;
+  });
+  __syncthreads();
+
+  // M = Tᵀ dT, then dA = M Tᵀ over dT.
+  {
+    float m[4][4];
+    tc_zero<4>(m);
+    tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq_t(T), tc_sq(D), false);
+    tc_each<4>(m, INTRA_C, INTRA_C, [&](int t, int j, float x) { M[t * TC_P + j] = x; });
+  }
+  __syncthreads();
+  {
+    float m[4][4];
+    tc_zero<4>(m);
+    tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(M), tc_sq_t(T), false);
+    __syncthreads();
+    tc_each<4>(m, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
+  }
+  __syncthreads();
+
+  // Per entry below the diagonal: dG into M, P = dA · A over dA in D; row sums of P and the
+  // G term of dβ by the row's thread.
+  if (tid < c) {
+    const int t = tid;
+    float pb = 0.0f, pg = 0.0f;
+    for (int j = 0; j < INTRA_C; ++j) {
+      if (j < t) {
+        const float e = __expf(gam[t] - gam[j]), da = D[t * TC_P + j], g = G[t * TC_P + j];
+        const float p = da * (-bet[t] * e * g);
+        pb -= da * e * g;
+        pg += p;
+        M[t * TC_P + j] = -bet[t] * e * da;
+        D[t * TC_P + j] = p;
+      } else {
+        M[t * TC_P + j] = 0.0f;
+      }
+    }
+    dbet[t] += pb;
+    dgam[t] += pg;
+  } else if (tid < INTRA_C) {
+    for (int j = 0; j < INTRA_C; ++j) M[tid * TC_P + j] = 0.0f;
+  }
+  __syncthreads();
+  if (tid < c) {
+    float s = 0.0f;
+    for (int r = tid + 1; r < c; ++r) s += D[r * TC_P + tid];
+    dgam[tid] -= s;
+  }
+  __syncthreads();
+
+  // dK = dG K + dGᵀ K + diag(β e^γ) Tᵀ dKc, with k·dY into dβ and dγ (dY = Tᵀ dKc).
+  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
+    tc_stage(gkc, dk, dk, col0, c, INTRA_C, nullptr, ta);
+    tc_stage(kb, dk, dk, col0, c, INTRA_C, nullptr, tb);
+    __syncthreads();
+    float y[2][4], z[2][4];
+    tc_zero<2>(y);
+    tc_zero<2>(z);
+    tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
+    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(tb), false);
+    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(tb), false);
+    // y and z hold the same elements in the same threads.
+    tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
+    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x, float y) {
+      const float *xr = X + j * TC_TP + r;
+      if (j < c) tc_store2(dk_out + (long long)j * dk + col0, r, dk - col0, ys[j] * xr[0] + x, ys[j] * xr[1] + y);
+    });
+    __syncthreads();
+    for (int j = warp; j < c; j += warps) {
+      const float s = warp_sum(X[j * TC_TP + lane] * tb[j * TC_TP + lane]);
+      if (lane == 0) {
+        dbet[j] += __expf(gam[j]) * s;
+        dgam[j] += ys[j] * s;
+      }
+    }
+    __syncthreads();
+  }
+  for (int i = tid; i < c; i += blockDim.x) {
+    db_out[i] = dbet[i];
+    dg_out[i] = dgam[i];
+  }
+}
+
+// The chunk walk on tensor cores. Grid and block as chunk_walk_*_f32's; the state (G) and U (dU)
+// tiles [rows, 32] at row stride TC_SW (≡ 8 mod 32: their fragment reads by row hit distinct
+// banks), a chunk's raw keys KK [64, kks] with Kc | K at columns 0 | koff and rows past c zero,
+// and its key scales e [64]. Kend = diag(e) K is never formed: e scales U's rows instead (Kendᵀ U
+// = Kᵀ diag(e) U) and the backward's Kend G. So the keys are plain copies, issued as 16-byte
+// asynchronous copies all at once, and each product's epilogue operands are loaded before its
+// products run. Needs dk % 16 == 0 (the state's rows are the product's 16-row tiles).
+#define TC_SW 40
+
+// v[s][i] = f(row, col) at the positions tc_each visits: an epilogue's operands, loaded before
+// the products so that their latency overlaps them.
+template <int S, typename F> __device__ __forceinline__ void tc_fill(float v[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    v[s][0] = f(m0 + g, n0 + 2 * t);
+    v[s][1] = f(m0 + g, n0 + 2 * t + 1);
+    v[s][2] = f(m0 + g + 8, n0 + 2 * t);
+    v[s][3] = f(m0 + g + 8, n0 + 2 * t + 1);
+  }
+}
+
+// f(row, col, value, other) for every element of the warp's tiles, `other` v's element there.
+template <int S, typename F>
+__device__ __forceinline__ void tc_each_with(float acc[S][4], float v[S][4], int M, int N, F f) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    int m0, n0;
+    if (!tc_tile(M, N, s, m0, n0)) continue;
+    f(m0 + g, n0 + 2 * t, acc[s][0], v[s][0]);
+    f(m0 + g, n0 + 2 * t + 1, acc[s][1], v[s][1]);
+    f(m0 + g + 8, n0 + 2 * t, acc[s][2], v[s][2]);
+    f(m0 + g + 8, n0 + 2 * t + 1, acc[s][3], v[s][3]);
+  }
+}
+
+// Chunk `blk`'s keys into KK and its key scales into es_out (rows c..rows zero), then wait for
+// them and synchronise. `vec`: every key row is 16-byte aligned (dk % 4 == 0 and aligned bases).
+__device__ __forceinline__ void tc_walk_stage(const float *kc, const float *k, const float *e, float *KK,
+                                              float *es_out, long long blk, int c, int rows, int dk, int delta,
+                                              int kks, bool vec) {
+  const int koff = delta ? dk : 0;
+  const float *kcs = kc + blk * c * dk, *ks = k + blk * c * dk, *es = e + blk * c;
+  if (vec) {
+    const int q = dk / 4;
+    for (int i = threadIdx.x; i < rows * q; i += blockDim.x) {
+      const int t = i / q, r = (i % q) * 4;
+      float *dst = KK + t * kks + r;
+      if (t < c) {
+        if (delta) __pipeline_memcpy_async(dst, kcs + (long long)t * dk + r, 16);
+        __pipeline_memcpy_async(dst + koff, ks + (long long)t * dk + r, 16);
+      } else {
+        if (delta) *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        *reinterpret_cast<float4 *>(dst + koff) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    __pipeline_commit();
+  } else {
+    for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
+      const int t = i / dk, r = i % dk;
+      const bool in = t < c;
+      if (delta) KK[t * kks + r] = in ? kcs[i] : 0.0f;
+      KK[t * kks + koff + r] = in ? ks[i] : 0.0f;
+    }
+  }
+  for (int t = threadIdx.x; t < INTRA_C; t += blockDim.x) es_out[t] = t < c ? es[t] : 0.0f;
+  if (vec) __pipeline_wait_prior(0);
+  __syncthreads();
+}
+
+// Whether the walk's key rows can be copied 16 bytes at a time.
+__device__ __forceinline__ bool tc_walk_vec(const float *kc, const float *k, int dk, int delta) {
+  return dk % 4 == 0 && ((uintptr_t)k & 15) == 0 && (!delta || ((uintptr_t)kc & 15) == 0);
+}
+
+// x[r][j] of a [rows, 32] tile at row stride TC_SW to dst[r * dv + j] for the columns below dv.
+__device__ __forceinline__ void tc_walk_out(const float *x, int rows, float *dst, int dv, int col0) {
+  for (int i = threadIdx.x; i < rows * WALK_TV; i += blockDim.x) {
+    const int r = i / WALK_TV, j = i % WALK_TV;
+    if (col0 + j < dv) dst[(long long)r * dv + col0 + j] = x[r * TC_SW + j];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_walk_fwd_tc(const float *w, const float *kc, const float *k, const float *e, const float *s0,
+                      const float *a, float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {
+  extern __shared__ float wsm[];
+  const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
+  const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
+  float *S = wsm, *U = S + dk * TC_SW, *KK = U + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
+  const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
+  const bool vec = tc_walk_vec(kc, k, dk, delta);
+  for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
+    const int r = i / WALK_TV, j = i % WALK_TV;
+    S[r * TC_SW + j] = col0 + j < dv ? s0[((long long)h * dk + r) * dv + col0 + j] : 0.0f;
+  }
+  for (int i = 0; i < n; ++i) {
+    const long long blk = (long long)i * bh + h;
+    const float *wi = w + blk * c * dv, *ai = a + blk * dk;
+    float wv[2][4];
+    tc_fill<2>(wv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? wi[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
+    tc_walk_out(S, dk, states + blk * dk * dv, dv, col0);
+    // U = W − Kc S, kept as diag(e) U for the state's update
+    float acc[2][4];
+    tc_zero<2>(acc);
+    if (delta) tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK, kks, 1}, TcView{S, TC_SW, 1}, false);
+    float *ui = u_out + blk * c * dv;
+    tc_each_with<2>(acc, wv, cm, WALK_TV, [&](int t, int j, float x, float wtj) {
+      const float u = wtj - x;
+      U[t * TC_SW + j] = es[t] * u;
+      if (t < c && col0 + j < dv) ui[(long long)t * dv + col0 + j] = u;
+    });
+    float av[8][4];
+    tc_fill<8>(av, dk, WALK_TV, [&](int r, int) { return ai[r]; });
+    __syncthreads();
+    // S ← diag(a) S + Kᵀ diag(e) U (each element read and written by the thread that holds it)
+    float sacc[8][4];
+    tc_zero<8>(sacc);
+    tc_acc<8>(sacc, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
+    tc_each_with<8>(sacc, av, dk, WALK_TV,
+                    [&](int r, int j, float x, float ar) { S[r * TC_SW + j] = ar * S[r * TC_SW + j] + x; });
+    __syncthreads();
+  }
+  tc_walk_out(S, dk, states + ((long long)n * bh + h) * dk * dv, dv, col0);
+}
+
+// The backward also sums the column terms of da and de over its 32 columns, for the caller to
+// add up over the tiles: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j] and de_i[t] = Σ_j U_i[t][j] (K_i
+// G_{i+1})[t][j] (= rowsum(K ∘ U Gᵀ)), from the walk's U and states (ures, sres), into da_part
+// [tiles, N, BH, dk] and de_part [tiles, N, BH, c].
+extern "C" __global__ void __launch_bounds__(256)
+    chunk_walk_bwd_tc(const float *kc, const float *k, const float *e, const float *a, const float *gu,
+                      const float *gs, float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv,
+                      int delta, const float *ures, const float *sres, float *da_part, float *de_part) {
+  extern __shared__ float wsm[];
+  const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
+  const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
+  float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
+  float *red = es + INTRA_C;  // [64, 4]: each row's sums over the tile's four 8-column groups
+  const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const long long part0 = (long long)blockIdx.x * n * bh;
+  const bool vec = tc_walk_vec(kc, k, dk, delta);
+  for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
+    const int r = i / WALK_TV, j = i % WALK_TV;
+    G[r * TC_SW + j] = col0 + j < dv ? gs[(((long long)n * bh + h) * dk + r) * dv + col0 + j] : 0.0f;
+  }
+  for (int i = n - 1; i >= 0; --i) {
+    const long long blk = (long long)i * bh + h;
+    const float *gui = gu + blk * c * dv, *ai = a + blk * dk, *gsi = gs + blk * dk * dv;
+    const float *ui = ures + blk * c * dv, *si = sres + blk * dk * dv;
+    float gv[2][4], uv[2][4];
+    tc_fill<2>(gv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? gui[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_fill<2>(uv, cm, WALK_TV, [&](int t, int j) {
+      return t < c && col0 + j < dv ? ui[(long long)t * dv + col0 + j] : 0.0f;
+    });
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
+    // dU = gU + diag(e) K G
+    float acc[2][4];
+    tc_zero<2>(acc);
+    tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK + koff, kks, 1}, TcView{G, TC_SW, 1}, false);
+    // de: U ∘ (K G) summed over each fragment row's 8 columns (a quad of lanes), into red
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      int m0, n0;
+      if (!tc_tile(cm, WALK_TV, s, m0, n0)) continue;
+      float lo = uv[s][0] * acc[s][0] + uv[s][1] * acc[s][1], hi = uv[s][2] * acc[s][2] + uv[s][3] * acc[s][3];
+      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+      lo += __shfl_xor_sync(0xffffffffu, lo, 2);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+      if (lane % 4 == 0) {
+        red[(m0 + lane / 4) * 4 + n0 / 8] = lo;
+        red[(m0 + lane / 4 + 8) * 4 + n0 / 8] = hi;
+      }
+    }
+    tc_each_with<2>(acc, gv, cm, WALK_TV,
+                    [&](int t, int j, float x, float gtj) { dU[t * TC_SW + j] = gtj + es[t] * x; });
+    tc_walk_out(G, dk, gend + blk * dk * dv, dv, col0);
+    // da: S_i ∘ G_{i+1} summed over the tile's columns, a row per warp at a time
+    for (int r = warp; r < dk; r += warps) {
+      const float x = col0 + lane < dv ? si[(long long)r * dv + col0 + lane] * G[r * TC_SW + lane] : 0.0f;
+      const float sum = warp_sum(x);
+      if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
+    }
+    // G's update: diag(a) G + gS_i, less Kcᵀ dU below
+    float keep[8][4];
+    tc_fill<8>(keep, dk, WALK_TV, [&](int r, int j) {
+      return ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f);
+    });
+    __syncthreads();
+    for (int t = threadIdx.x; t < c; t += blockDim.x)
+      de_part[(part0 + blk) * c + t] = red[t * 4] + red[t * 4 + 1] + red[t * 4 + 2] + red[t * 4 + 3];
+    tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
+    // G ← diag(a) G − Kcᵀ dU + gS_i (each element read and written by the thread that holds it)
+    float g[8][4];
+    tc_zero<8>(g);
+    if (delta) tc_acc<8>(g, dk, WALK_TV, ck, TcView{KK, 1, kks}, TcView{dU, TC_SW, 1}, false);
+    tc_each_with<8>(g, keep, dk, WALK_TV, [&](int r, int j, float x, float kp) { G[r * TC_SW + j] = kp - x; });
+    __syncthreads();
+  }
+  tc_walk_out(G, dk, ds0 + (long long)h * dk * dv, dv, col0);
+}

@@ -1,0 +1,146 @@
+//! Launchers of the RMSNorms: the gated norm, its backward and the residual add with the next
+//! norm (`norm.cu`).
+
+use super::{function, vec16, view};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+
+/// Gated RMSNorm of rows [rows, n] of x and gate (one dtype) with a float32 weight [n]; output
+/// in x's dtype and shape.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rms(
+    x: &CudaStorage,
+    xl: &Layout,
+    g: &CudaStorage,
+    gl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    eps: f32,
+    gated: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.device().clone();
+    let n = xl.shape().dims().last().copied().unwrap_or(1);
+    let rows = xl.shape().elem_count() / n.max(1);
+    let wv = view::<f32>((w, wl), "gated norm weight")?;
+    let gated = gated as i32;
+    // One warp per row, eight rows per block.
+    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let ints = [rows as i32, n as i32];
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = view::<$ty>((x, xl), "gated norm")?;
+            let gv = view::<$ty>((g, gl), "gated norm gate")?;
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes all rows x n outputs.
+            let out = unsafe { dev.alloc::<$ty>(rows * n)? };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps).arg(&gated);
+            // SAFETY: argument list matches `gated_rms_*` in norm.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    let out = per_dtype!(x.dtype(), "gated_rms", "gated norm", launch);
+    Ok((out, xl.shape().clone()))
+}
+
+/// Rows per block of `rms_bwd` (`RMS_BWD_ROWS` in norm.cu).
+const RMS_BWD_ROWS: usize = 64;
+
+/// What [`rms_bwd`] writes: dx (and dg when gated) in x's dtype, and the float32 partial
+/// sums of dw [parts, n] that the caller adds up.
+pub struct RmsGrads {
+    pub dx: CudaStorage,
+    pub dg: Option<CudaStorage>,
+    pub parts: CudaStorage,
+    pub count: usize,
+}
+
+/// The backward of the gated RMSNorm (`rms_bwd` in norm.cu), writing dx and dg in x's dtype
+/// (no float32 planes to cast afterwards), dx as res + dx where `res` is given (a residual
+/// step's input gradient: the step's output gradient plus the norm's). x, g, dy and res share
+/// one dtype and element count.
+pub fn rms_bwd(
+    x: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
+    eps: f32,
+    gated: bool,
+) -> Result<RmsGrads> {
+    let dev = x.0.device().clone();
+    let n = x.1.shape().dims().last().copied().unwrap_or(1);
+    let rows = x.1.shape().elem_count() / n.max(1);
+    let blocks = rows.div_ceil(RMS_BWD_ROWS);
+    let count = blocks * 8;
+    let wv = view::<f32>(w, "norm backward weight")?;
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (ri, ni, gi) = (rows as i32, n as i32, gated as i32);
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let xv = view::<$ty>(x, "norm backward")?;
+            let gv = view::<$ty>(g, "norm backward gate")?;
+            let dv = view::<$ty>(dy, "norm backward gradient")?;
+            let rv = res.map(|r| view::<$ty>(r, "residual gradient")).transpose()?;
+            let mut offsets = vec![x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
+            offsets.extend(res.map(|r| r.1.start_offset()));
+            let vec = (vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()])) as i32;
+            let func = function(&dev, $name)?;
+            // SAFETY: the kernel writes every dx (every dg when gated) and every block's partial dw.
+            let dxt = unsafe { dev.alloc::<$ty>(rows * n)? };
+            let dgt = if gated { Some(unsafe { dev.alloc::<$ty>(rows * n)? }) } else { None };
+            let out = unsafe { dev.alloc::<f32>(count * n)? };
+            let hi = res.is_some() as i32;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            // A missing res is not read (dy stands in), nor a missing dg written (dx stands in).
+            builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(rv.as_ref().unwrap_or(&dv)).arg(&dxt);
+            builder.arg(dgt.as_ref().unwrap_or(&dxt));
+            builder.arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi).arg(&hi).arg(&vec);
+            // SAFETY: argument list matches `rms_bwd_*` in norm.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            RmsGrads {
+                dx: CudaStorage::wrap_cuda_slice(dxt, dev.clone()),
+                dg: dgt.map(|d| CudaStorage::wrap_cuda_slice(d, dev.clone())),
+                parts: CudaStorage::wrap_cuda_slice(out, dev),
+                count,
+            }
+        }};
+    }
+    Ok(per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch))
+}
+
+/// `add_rms` in norm.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the
+/// float32 weight w [n]; output [2, rows, n].
+pub fn add_rms(
+    (a, al): (&CudaStorage, &Layout),
+    (b, bl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    rows: usize,
+    n: usize,
+    eps: f32,
+) -> Result<CudaStorage> {
+    let dev = a.device().clone();
+    let wv = view::<f32>((w, wl), "norm weight")?;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let ints = [rows as i32, n as i32];
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
+            // SAFETY: the kernel writes both halves, 2 x rows x n outputs.
+            let out = unsafe { dev.alloc::<$ty>(2 * rows * n)? };
+            let func = function(&dev, $name)?;
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&av).arg(&bv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps);
+            // SAFETY: argument list matches `add_rms_*` in norm.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(per_dtype!(a.dtype(), "add_rms", "add + norm", launch))
+}
