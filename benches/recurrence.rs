@@ -12,11 +12,65 @@
 //! a random output gradient w: `--grad sum` (the default) differentiates sum(o · w) in float32
 //! through candle's ops, `--grad seed` hands w to o directly (`ops::seed_gradient`), as
 //! PyTorch's `o.backward(w)` does, so that the time is the recurrence's alone.
+//!
+//! The forward + backward line also gives `graph_mib`: the memory the output and its graph hold
+//! between the forward and the backward, what a trained layer keeps for its backward. On CUDA it
+//! is read from statecut's memory pool, on the CPU from this program's heap.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+
+/// The system allocator, counting the bytes live on the heap: on the CPU, tensors' storage.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            LIVE.fetch_add(new_size, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Bytes in use on `dev` after its queued work: statecut's pool on CUDA, the heap on the CPU.
+fn in_use(dev: &Device) -> Option<usize> {
+    match dev {
+        Device::Cpu => Some(LIVE.load(Ordering::Relaxed)),
+        _ => statecut::device::in_use(dev).map(|(now, _)| now),
+    }
+}
 
 struct Opts {
     shape: [usize; 5],
@@ -135,7 +189,10 @@ fn main() -> Result<()> {
                 continue;
             }
             let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
+            // What the output and its graph held before the backward, in the untimed run.
+            let held = std::cell::Cell::new(None);
             let run = || -> Result<()> {
+                let before = in_use(dev);
                 let x: Vec<Tensor> =
                     if backward { vars.iter().map(|v| v.as_tensor().clone()).collect() } else { inputs.to_vec() };
                 let rec = Recurrence {
@@ -151,6 +208,9 @@ fn main() -> Result<()> {
                 };
                 let out = Kernel::scoped(kernel, || rec.forward())?;
                 if backward {
+                    if held.get().is_none() {
+                        held.set(before.zip(in_use(dev)).map(|(a, b)| b.saturating_sub(a)));
+                    }
                     let grads = match o.seed {
                         true => statecut::ops::seed_gradient(&out, &w_seed)?.backward()?,
                         // Summed by rows first: candle's whole-tensor sum runs in one block, which
@@ -176,6 +236,7 @@ fn main() -> Result<()> {
                 "b": b, "t": t, "h": h, "dk": dk, "dv": dv, "decay": o.decay,
                 "rule": format!("{:?}", o.rule).to_lowercase(), "dtype": format!("{:?}", o.dtype).to_lowercase(),
                 "grad": if o.seed { "seed" } else { "sum" },
+                "graph_mib": held.get().map(|b| b as f64 / (1 << 20) as f64),
             });
             println!("{line}");
         }
