@@ -738,6 +738,33 @@ fn conv_and_norm_gradients_match_cpu() {
         };
         let inputs = [rand(&[3, 70, 4, 96], 40), rand(&[96], 41)];
         compare("norm by heads", dtype, &inputs, &rand(&[3, 70, 4 * 96], 42), &plain_heads);
+        // The output norm and a frozen output projection as one op (`RmsNorm::project_heads`,
+        // recovery's mixers), gated and not, against the norm and the product on the CPU.
+        for gated in [false, true] {
+            let projected = move |t: &[Tensor], dt: DType| {
+                let dev = t[0].device();
+                let proj = (rand(&[50, 4 * 96], 43) * 0.1).unwrap().to_dtype(dt).unwrap().to_device(dev).unwrap();
+                let norm = RmsNorm::new(t[t.len() - 1].clone(), 1e-6, NormWeight::Plain).unwrap();
+                let x = t[0].to_dtype(dt).unwrap();
+                let gate = gated.then(|| t[1].to_dtype(dt).unwrap());
+                if let Some(y) = norm.project_heads(&x, gate.as_ref(), &proj).unwrap() {
+                    return y;
+                }
+                assert!(dev.is_cpu(), "a pass with gradients on the GPU takes the one op");
+                let normed = match &gate {
+                    Some(g) => norm.forward_gated_heads(&x, g).unwrap(),
+                    None => norm.forward_heads(&x).unwrap(),
+                };
+                normed.broadcast_matmul(&proj.t().unwrap()).unwrap()
+            };
+            let mut inputs = vec![rand(&[3, 70, 4, 96], 45)];
+            if gated {
+                inputs.push(rand(&[3, 70, 4 * 96], 46));
+            }
+            inputs.push(rand(&[96], 47));
+            let what = format!("norm by heads into a projection, gated {gated}");
+            compare(&what, dtype, &inputs, &rand(&[3, 70, 50], 48), &projected);
+        }
         // A residual step over a frozen SwiGLU MLP as one op (recovery's MLP steps): h and the
         // norm's weight trained, the norm's backward adding the step's output gradient. In bf16
         // it is three products deep, so it is held to the ops it replaces (the norm's op, the

@@ -123,6 +123,15 @@ impl Linear {
             && !crate::ops::untracked(&[x, self.weight()])
     }
 
+    /// The weight of a projection that is the base matmul by a frozen weight with contiguous rows
+    /// (no bias, no adapter, no gradient): what an op that ends in this projection may multiply
+    /// by itself (see `ops::norm::RmsNorm::project_heads`).
+    pub fn frozen_weight(&self) -> Option<&Tensor> {
+        let w = self.weight();
+        (self.adapter.is_none() && self.bias().is_none() && w.is_contiguous() && crate::ops::untracked(&[w]))
+            .then_some(w)
+    }
+
     /// Whether the forward is the base matmul alone on tensors that track no gradient: what a
     /// fused or stacked path that reads `weight()` directly may stand in for.
     pub fn is_plain(&self) -> bool {

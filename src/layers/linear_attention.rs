@@ -349,6 +349,15 @@ impl LinearAttention {
             return Ok(crate::ops::linear(&self.o_proj, &o.apply_op1_no_bwd(&norm)?)?);
         }
         let o = o.to_dtype(x.dtype())?;
+        // With gradients on a GPU, the norm and a frozen output projection are one op.
+        if let (OutputGate::None | OutputGate::Silu, Some(w)) = (&self.gate, self.o_proj.frozen_weight()) {
+            let gate = z.filter(|_| matches!(self.gate, OutputGate::Silu));
+            if matches!(self.gate, OutputGate::None) || gate.is_some() {
+                if let Some(y) = self.norm.project_heads(&o, gate, w)? {
+                    return Ok(y);
+                }
+            }
+        }
         // The norms by heads lay o out [b, t, v_heads · dv], as the output projection reads it.
         let o = match &self.gate {
             OutputGate::None => self.norm.forward_heads(&o)?,

@@ -129,6 +129,24 @@ impl RmsNorm {
         self.forward_gated(x, &gate.reshape(x.shape())?)?.reshape(gate.shape())
     }
 
+    /// [`Self::forward_heads`] (or [`Self::forward_gated_heads`] with `gate`) followed by the
+    /// frozen projection `w` [out, heads·n] (contiguous rows), as one op where gradients flow on a
+    /// GPU ([`NormProjected`]): the normed output is then no node of the graph, neither kept for
+    /// the projection's backward (the norm's backward recomputes what it needs from x) nor an
+    /// edge whose gradient candle's backward adds into a fresh buffer. `None` where the op does
+    /// not apply; the caller then runs the norm and the projection.
+    pub fn project_heads(&self, x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tensor>> {
+        let weight = self.weight.get()?;
+        let dims = x.dims();
+        let width = dims.len().checked_sub(2).map(|i| dims[i] * dims[i + 1]);
+        let fits = w.rank() == 2 && w.is_contiguous() && width == Some(w.dim(1)?) && super::untracked(&[w]);
+        let tracked = !super::fusable(&[x, &weight].into_iter().chain(gate).collect::<Vec<_>>());
+        if !fits || !tracked || !rms_grad_applies(x) {
+            return Ok(None);
+        }
+        norm_projected(x, gate, &weight, self.eps, w).map(Some)
+    }
+
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
     fn forward_gated_ops(&self, x: &Tensor, gate: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let g = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
@@ -152,6 +170,96 @@ fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Res
         Some(g) => x.apply_op3(&g.to_dtype(x.dtype())?.contiguous()?, weight, op),
         // Ungated, the gate's place holds x itself and is never read.
         None => x.apply_op3(&x.detach(), weight, op),
+    }
+}
+
+/// [`RmsNorm::project_heads`]' op, on any device: x [.., heads, n] normed (gated by `gate`
+/// [.., heads·n] when given) into the gate's layout, then times `proj`ᵀ.
+fn norm_projected(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64, proj: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let dims = x.dims();
+    let mut flat = dims[..dims.len() - 2].to_vec();
+    flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
+    let op = NormProjected { norm: GatedRms { eps: eps as f32, gated: gate.is_some() }, proj: proj.detach() };
+    match gate {
+        Some(g) => x.apply_op3(&g.to_dtype(x.dtype())?.contiguous()?.reshape(flat)?, weight, op),
+        // Ungated, the gate's place holds x itself, in the output's layout, and is never read.
+        None => x.apply_op3(&x.detach().reshape(flat)?, weight, op),
+    }
+}
+
+/// A [`GatedRms`] whose output goes through a frozen projection [out, in] in the same op: the
+/// forward multiplies the norm's output by the projection and drops it; the backward takes the
+/// projection's input gradient (dy · W) to the norm's backward, which recomputes the norm from x.
+struct NormProjected {
+    norm: GatedRms,
+    proj: Tensor,
+}
+
+impl NormProjected {
+    /// The projection's operands for the norm's output laid out as `normed`.
+    fn plan(&self, normed: &Shape) -> Result<super::projection::Plan> {
+        super::projection::plan(&Layout::contiguous(normed), self.proj.layout())
+    }
+}
+
+impl CustomOp3 for NormProjected {
+    fn name(&self) -> &'static str {
+        "statecut-norm-projected"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        g: &CpuStorage,
+        gl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (normed, shape) = self.norm.cpu_fwd(x, xl, g, gl, w, wl)?;
+        let (bmnk, lhs, rhs, out) = self.plan(&shape)?;
+        let (p, _) = self.proj.storage_and_layout();
+        let candle_core::Storage::Cpu(p) = &*p else {
+            candle_core::bail!("norm projection: the weight is not on the CPU")
+        };
+        Ok((normed.matmul(p, bmnk, &lhs, &rhs)?, out))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        g: &candle_core::CudaStorage,
+        gl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (normed, shape) = self.norm.cuda_fwd(x, xl, g, gl, w, wl)?;
+        let (bmnk, lhs, rhs, out) = self.plan(&shape)?;
+        let (p, _) = self.proj.storage_and_layout();
+        let candle_core::Storage::Cuda(p) = &*p else {
+            candle_core::bail!("norm projection: the weight is not on the GPU")
+        };
+        Ok((normed.matmul(p, bmnk, &lhs, &rhs)?, out))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        g: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let out = self.proj.dim(0)?;
+        let rows = grad.elem_count() / out.max(1);
+        let dy = grad.to_dtype(x.dtype())?.contiguous()?.reshape((rows, out))?;
+        let dn = dy.matmul(&self.proj)?.reshape(g.shape())?;
+        self.norm.bwd(x, g, w, res, &dn)
     }
 }
 
@@ -623,6 +731,51 @@ mod tests {
         let fused = xb.apply_op3_no_bwd(&gb, &norm.weight.get().unwrap(), &op).unwrap().to_dtype(DType::F32).unwrap();
         let ops = norm.forward_gated_ops(&xb, &gb, &norm.weight.get().unwrap()).unwrap().to_dtype(DType::F32).unwrap();
         assert!(max_rel(&fused, &ops) < 1e-2);
+    }
+
+    /// The norm and its output projection as one op give the norm op followed by the frozen
+    /// projection: the same output and the same gradients of x, the gate and the norm's weight
+    /// (the same arithmetic in the same order), gated and not, in float32 and bf16. On the CPU
+    /// `project_heads` leaves the two to the caller.
+    #[test]
+    fn norm_and_projection_as_one_op_match_the_two() -> Result<()> {
+        use candle_core::Var;
+        let dev = Device::Cpu;
+        for (gated, dtype) in [(false, DType::F32), (true, DType::F32), (false, DType::BF16), (true, DType::BF16)] {
+            let what = format!("gated {gated} {dtype:?}");
+            let randn = |shape: &[usize], s: f32| Tensor::randn(0f32, s, shape, &dev)?.to_dtype(dtype);
+            let x = Var::from_tensor(&randn(&[2, 5, 3, 16], 1.0)?)?;
+            let gate = Var::from_tensor(&randn(&[2, 5, 48], 2.0)?)?;
+            let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, 16, &dev)?)?;
+            let proj = randn(&[7, 48], 0.2)?;
+            let dy = Tensor::randn(0f32, 1.0, (2, 5, 7), &dev)?;
+            let g = gated.then(|| gate.as_tensor());
+            let fast = norm_projected(x.as_tensor(), g, w.as_tensor(), 1e-5, &proj)?;
+            let normed = match g {
+                Some(g) => rms_grad(x.as_tensor(), Some(g), w.as_tensor(), 1e-5)?,
+                None => {
+                    let flat = x.as_tensor().detach().reshape((2, 5, 48))?;
+                    x.as_tensor().apply_op3(&flat, w.as_tensor(), GatedRms { eps: 1e-5, gated: false })?
+                }
+            };
+            let slow = super::super::projection::frozen_linear(&normed, &proj)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+            assert_eq!(fast.dims(), [2, 5, 7], "{what}");
+            assert_eq!(f(&fast)?, f(&slow)?, "{what}: outputs");
+            let loss = |y: &Tensor| (y.to_dtype(DType::F32)? * &dy)?.sum_all()?.backward();
+            let (gf, gs) = (loss(&fast)?, loss(&slow)?);
+            let mut vars = vec![("x", &x), ("w", &w)];
+            if gated {
+                vars.push(("gate", &gate));
+            }
+            for (name, v) in vars {
+                let (a, b) = (gf.get(v.as_tensor()).expect("gradient"), gs.get(v.as_tensor()).expect("gradient"));
+                assert_eq!(f(a)?, f(b)?, "{what}: d{name}");
+            }
+            let norm = RmsNorm::new(w.as_tensor().clone(), 1e-5, NormWeight::Plain)?;
+            assert!(norm.project_heads(x.as_tensor(), g, &proj)?.is_none(), "{what}: the CPU keeps the two ops");
+        }
+        Ok(())
     }
 
     /// The L2 norm through the differentiable RMSNorm op gives the separate ops' values and
