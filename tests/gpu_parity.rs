@@ -874,6 +874,30 @@ fn conv_and_norm_gradients_match_cpu() {
             let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
             compare(&format!("heads in chunks d {d}"), dtype, &[rand(&[3, 70, 200], 26)], &rand(&[n], 27), &chunked);
         }
+        // The same with the short conv inside the ops (recovery's mixers with a conv): the conv's
+        // input a column slice, its weight and bias trained.
+        for (off, d) in [(0, 48), (5, 47)] {
+            let chunked = move |t: &[Tensor], dt: DType| {
+                use statecut::ops::prep::Heads;
+                let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
+                let (w, bias) = (t[1].to_dtype(dt).unwrap(), t[2].to_dtype(dt).unwrap());
+                let (qk, keys, v) = statecut::ops::prep::conv_heads_qk_chunks(
+                    &rows,
+                    &w,
+                    &bias,
+                    Heads { off, heads: 2, d, rep: 2, norm: Some(1e-6) },
+                    Heads { off: off + 2 * d, heads: 2, d, rep: 2, norm: Some(1e-6) },
+                    Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None },
+                    64,
+                )
+                .unwrap();
+                let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                Tensor::cat(&[flat(qk), flat(keys), flat(v)], 0).unwrap()
+            };
+            let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
+            let inputs = [rand(&[3, 70, 200], 28), (rand(&[196, 4], 29) * 0.5).unwrap(), rand(&[196], 30)];
+            compare(&format!("conv and heads in chunks d {d}"), dtype, &inputs, &rand(&[n], 31), &chunked);
+        }
         // A trained projection (recovery's adapted weights): the input and the weight trained.
         let trained = |t: &[Tensor], dt: DType| {
             let lin = statecut::layers::linear::Linear::new(t[1].to_dtype(dt).unwrap(), None);

@@ -229,6 +229,18 @@ impl LinearAttention {
         };
         let dev = x.device();
         let p = self.proj.project(x, d)?;
+        // With gradients on the chunk kernels: the conv, q and k normed straight into the
+        // kernels' chunked layout, and the recurrence on those chunks (see `trained_chunks`).
+        let trained_chunks = prev_state.is_none()
+            && cache.is_none()
+            && obs.passive()
+            && !obs.wants_state()
+            && matches!(self.decay, Decay::None | Decay::PerHead { .. })
+            && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk)
+            && self.mixes_with_gradients(&p.qkv)?;
+        if trained_chunks {
+            return self.trained_chunks(x, &p);
+        }
         let (mixed, conv_state) = match &self.conv {
             Some(c) => {
                 let (y, st) = c.forward_silu_cached(&p.qkv, prev_conv.as_ref())?;
@@ -244,55 +256,15 @@ impl LinearAttention {
         if !obs.passive() {
             obs.qk(self.layer, &head(0, d.heads, d.dk)?, &head(kd, d.heads, d.dk)?)?;
         }
-        // Gates, β and the L2 norms in float32, as the upstream kernels compute them: bf16 gates
-        // compound over the sequence.
         let f32 = DType::F32;
-        let beta = match &p.b {
-            Some(bb) => (candle_nn::ops::sigmoid(&bb.to_dtype(f32)?)? * self.beta_scale)?,
-            None => Tensor::ones((b, t, d.v_heads), f32, dev)?,
-        };
-        let (g, gk) = match &self.decay {
-            Decay::None => (None, None),
-            Decay::PerHead { neg_a, dt_bias } => {
-                let a = p.a.as_ref().ok_or_else(|| anyhow::anyhow!("a per-head decay needs the a projection"))?;
-                (Some(softplus(&a.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?)?.broadcast_mul(&neg_a.get()?)?), None)
-            }
-            Decay::PerChannel { f_a, f_b, neg_a, dt_bias } => {
-                let f = f_b.forward(&f_a.forward(x)?)?.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?;
-                (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(&neg_a.get()?)?))
-            }
-        };
+        let (beta, g, gk) = self.gates(x, &p)?;
         // Long sequences take the chunk kernels, on tensor cores with v in its 16-bit dtype
         // (see `Kernel::chunks_without_gradients`); the fused kernel wants every input in float32.
         let chunks = fused
             && mixed.dtype() != f32
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
             && crate::ops::delta_rule::Kernel::chunks_without_gradients(dev, (b, t, d.v_heads), d.dk, d.dv);
-        // q and k L2-normed and repeated for the value heads that read them, v copied: the parts
-        // of the heads ops below.
-        let eps = Some(L2_EPS as f32);
-        let hq = Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: eps };
-        let (hk, hv) = (Heads { off: kd, ..hq }, Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None });
-        let scale = (d.dk as f64).powf(-0.5);
-        // With gradients on the chunk kernels, q and k are normed straight into the kernels'
-        // chunked layout (see `ops::prep::heads_qk_chunks`).
-        let trained_chunks = !fused
-            && !chunks
-            && matches!(self.decay, Decay::None | Decay::PerHead { .. })
-            && prev_state.is_none()
-            && cache.is_none()
-            && obs.passive()
-            && !obs.wants_state()
-            && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk);
-        if trained_chunks {
-            let c = crate::ops::chunked::chunk_len(t);
-            let (qk, keys, v) = crate::ops::prep::heads_qk_chunks(&mixed, hq, hk, hv, c)?;
-            let o = {
-                let _s = crate::profile::span("recurrence", dev);
-                crate::ops::chunked::delta_from_chunks(&qk, &keys, &v, &beta, g.as_ref(), scale)?
-            };
-            return self.output(x, o, p.z.as_ref());
-        }
+        let (hq, hk, hv, scale) = self.heads();
         let (q, k, v) = if chunks || (!fused && !dev.is_cpu()) {
             // For the chunk kernels, and with gradients on a GPU: one op per part, each reading
             // its columns in place, their backwards writing one d(mixed) (see
@@ -328,6 +300,73 @@ impl LinearAttention {
             crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?
         };
         self.output(x, o, p.z.as_ref())
+    }
+
+    /// Whether a gradient flows through the conv's output (or, without a conv, SiLU's) for the
+    /// projections' output `qkv`: off the CPU, the input or the conv's weights tracked.
+    fn mixes_with_gradients(&self, qkv: &Tensor) -> Result<bool> {
+        let parts = self.conv.as_ref().map(ShortConv::parts).transpose()?;
+        let (w, bias) = parts.map_or((None, None), |(w, b)| (Some(w), b));
+        let inputs: Vec<&Tensor> = [Some(qkv), w.as_ref(), bias.as_ref()].into_iter().flatten().collect();
+        Ok(!qkv.device().is_cpu() && !crate::ops::untracked(&inputs))
+    }
+
+    /// The layer from its projections `p` with gradients on the chunk kernels (a decay per head
+    /// or none, no cache or initial state, an observer that does not look inside): q and k
+    /// normed straight into the kernels' chunked layout, and with a short conv the conv inside
+    /// the same ops (see `ops::prep::conv_heads_qk_chunks`), so that neither the conv's output
+    /// nor q and k as heads are nodes of the graph.
+    fn trained_chunks(&self, x: &Tensor, p: &Projected) -> Result<Tensor> {
+        let (beta, g, _) = self.gates(x, p)?;
+        let (hq, hk, hv, scale) = self.heads();
+        let c = crate::ops::chunked::chunk_len(x.dim(1)?);
+        let operands = self.conv.as_ref().map(|conv| conv.grad_operands(&p.qkv)).transpose()?.flatten();
+        let (qk, keys, v) = match (operands, &self.conv) {
+            (Some((w, bias)), _) => crate::ops::prep::conv_heads_qk_chunks(&p.qkv, &w, &bias, hq, hk, hv, c)?,
+            (None, Some(conv)) => {
+                crate::ops::prep::heads_qk_chunks(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?
+            }
+            (None, None) => crate::ops::prep::heads_qk_chunks(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
+        };
+        let o = {
+            let _s = crate::profile::span("recurrence", x.device());
+            crate::ops::chunked::delta_from_chunks(&qk, &keys, &v, &beta, g.as_ref(), scale)?
+        };
+        self.output(x, o, p.z.as_ref())
+    }
+
+    /// β [B, T, Hv], and the decay per head g [B, T, Hv] or per key channel gk [B, T, Hv, dk],
+    /// in float32, as the upstream kernels compute them (bf16 gates compound over the sequence).
+    fn gates(&self, x: &Tensor, p: &Projected) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let d = self.dims;
+        let (b, t, _) = x.dims3()?;
+        let f32 = DType::F32;
+        let beta = match &p.b {
+            Some(bb) => (candle_nn::ops::sigmoid(&bb.to_dtype(f32)?)? * self.beta_scale)?,
+            None => Tensor::ones((b, t, d.v_heads), f32, x.device())?,
+        };
+        let (g, gk) = match &self.decay {
+            Decay::None => (None, None),
+            Decay::PerHead { neg_a, dt_bias } => {
+                let a = p.a.as_ref().ok_or_else(|| anyhow::anyhow!("a per-head decay needs the a projection"))?;
+                (Some(softplus(&a.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?)?.broadcast_mul(&neg_a.get()?)?), None)
+            }
+            Decay::PerChannel { f_a, f_b, neg_a, dt_bias } => {
+                let f = f_b.forward(&f_a.forward(x)?)?.to_dtype(f32)?.broadcast_add(&dt_bias.get()?)?;
+                (None, Some(softplus(&f.reshape((b, t, d.v_heads, d.dk))?)?.broadcast_mul(&neg_a.get()?)?))
+            }
+        };
+        Ok((beta, g, gk))
+    }
+
+    /// q and k L2-normed and repeated for the value heads that read them, v copied (the parts of
+    /// the heads ops, over the conv's [q | k | v] columns), and the queries' scale.
+    fn heads(&self) -> (Heads, Heads, Heads, f64) {
+        let d = self.dims;
+        let kd = d.heads * d.dk;
+        let hq = Heads { off: 0, heads: d.heads, d: d.dk, rep: d.r(), norm: Some(L2_EPS as f32) };
+        let (hk, hv) = (Heads { off: kd, ..hq }, Heads { off: 2 * kd, heads: d.v_heads, d: d.dv, rep: 1, norm: None });
+        (hq, hk, hv, (d.dk as f64).powf(-0.5))
     }
 
     /// The output projection of the recurrence's output o [B, T, Hv, dv] after the norm and the

@@ -87,6 +87,24 @@ impl ShortConv {
         })
     }
 
+    /// The weight [C, K] and bias [C] in x's dtype (zeros without a bias) for an op that runs
+    /// this conv's causal form with SiLU inside itself, with gradients (see
+    /// `ops::prep::conv_heads_qk_chunks`): where `forward_silu_cached` on x with no history
+    /// would take the differentiable fused op, `None` elsewhere.
+    pub fn grad_operands(&self, x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        let (weight, bias) = self.parts()?;
+        let tensors: Vec<&Tensor> = [Some(x), Some(&weight), bias.as_ref()].into_iter().flatten().collect();
+        if super::fusable(&tensors) || x.device().is_cpu() || weight.dim(1)? > CONV_BWD_MAX_K {
+            return Ok(None);
+        }
+        let dtype = x.dtype();
+        let bias = match bias {
+            Some(b) => b.to_dtype(dtype)?,
+            None => Tensor::zeros(weight.dim(0)?, dtype, x.device())?,
+        };
+        Ok(Some((weight.to_dtype(dtype)?.contiguous()?, bias)))
+    }
+
     /// The [`FusedConv`] op with this conv's weights.
     #[cfg(test)]
     fn fused(&self, input: &Tensor, pad: usize, act: bool) -> Result<Tensor> {
@@ -164,12 +182,22 @@ fn last_inputs(x: &Tensor, n: usize) -> Result<Tensor> {
 /// Depthwise causal conv of x [B, L, C] with weight [C, K] and bias [C] (one dtype, float32
 /// accumulation), then SiLU when `act`: y[t] = Σ_i w[i] x[t + i − pad], zero outside [0, L).
 /// x may be a column slice of a wider matrix (rows of one stride, see `row_strided`).
-struct FusedConv {
+#[derive(Clone, Copy)]
+pub(super) struct FusedConv {
     pad: usize,
     act: bool,
 }
 
 impl FusedConv {
+    /// The causal form with SiLU for a kernel of `k` taps, which has a backward (up to
+    /// [`CONV_BWD_MAX_K`] taps).
+    pub(super) fn causal_silu(k: usize) -> Result<Self> {
+        if k == 0 || k > CONV_BWD_MAX_K {
+            candle_core::bail!("conv: a kernel of {k} taps; the backward takes 1 to {CONV_BWD_MAX_K}");
+        }
+        Ok(Self { pad: k - 1, act: true })
+    }
+
     /// x's row t of sequence b starts at (b·l + t)·xs.
     fn cpu<T: WithDType>(
         &self,

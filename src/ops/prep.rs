@@ -5,7 +5,7 @@
 
 pub use super::launch::{Heads, HeadsDst, QkvPrep};
 use super::Rows;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 use std::sync::{Arc, Mutex};
 
 impl QkvPrep {
@@ -367,23 +367,44 @@ impl CustomOp2 for Part {
 /// first and starts d(x); the pairs' writes q's and k's columns and hands it over. All three
 /// outputs must reach the loss.
 pub fn heads_qk_chunks(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let (_, t, width) = x.dims3()?;
-    for p in [&q, &k, &v] {
-        p.check(width)?;
-    }
-    let ok = q.norm.is_some() && k.norm.is_some() && q.d == k.d && q.heads * q.rep == k.heads * k.rep && c > 0 && t > 0;
-    if !ok {
-        candle_core::bail!("heads in chunks: q {q:?} and k {k:?} must be normed heads of one width and count");
-    }
+    let op = QkChunks::new(x, q, k, v, c)?;
+    let (slot, keys) = (op.slot.clone(), op.keys.clone());
     let x = super::as_rows(x)?;
-    let slot: Slot = Arc::new(Mutex::new(None));
-    let op = QkChunks { q, k, t, c, slot: slot.clone(), keys: Arc::new(Mutex::new(None)) };
-    let keys = op.keys.clone();
     let qk = x.apply_op1(op)?;
-    let keys = keys.lock().ok().and_then(|mut k| k.take());
-    let keys = keys.ok_or_else(|| candle_core::Error::Msg("heads in chunks: the forward left no keys".into()))?;
     let tv = x.apply_op2(&qk, Part { heads: v, slot, opens: true })?;
-    Ok((qk, keys, tv))
+    Ok((qk, QkChunks::keys(&keys)?, tv))
+}
+
+/// [`heads_qk_chunks`] with the short conv before it inside the ops: x [B, T, C] is the conv's
+/// input, `w` [C, K] and `bias` [C] its weights in x's dtype (see `ShortConv::grad_operands`),
+/// the conv causal and followed by SiLU. The conv's output is made in the forward, read by the
+/// three parts and dropped; the backward makes it again (one conv launch) for the q/k norms'
+/// backward, then runs the conv's. As ops of their own, the conv's output was kept for the
+/// heads' backward, [B·T, C] in the model's dtype, and its gradient was one more edge of that
+/// size, which candle's backward adds into a fresh buffer. v is copied from the conv's output
+/// and its backward reads nothing of it.
+pub fn conv_heads_qk_chunks(
+    x: &Tensor,
+    w: &Tensor,
+    bias: &Tensor,
+    q: Heads,
+    k: Heads,
+    v: Heads,
+    c: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let chunks = QkChunks::new(x, q, k, v, c)?;
+    if v.norm.is_some() || w.dims2()?.0 != x.dim(2)? {
+        candle_core::bail!(
+            "conv and heads in chunks: v {v:?} must be copied heads, w {:?} one row a channel",
+            w.shape()
+        );
+    }
+    let conv = super::conv::FusedConv::causal_silu(w.dim(1)?)?;
+    let (slot, keys, mixed) = (chunks.slot.clone(), chunks.keys.clone(), Arc::new(Mutex::new(None)));
+    let x = super::as_rows(x)?;
+    let qk = x.apply_op3(w, bias, ConvQkChunks { chunks, conv, mixed: mixed.clone() })?;
+    let tv = x.apply_op2(&qk, ConvPart { heads: v, slot, mixed })?;
+    Ok((qk, QkChunks::keys(&keys)?, tv))
 }
 
 /// q | k in chunks (see [`heads_qk_chunks`]); the forward leaves the keys alone in `keys`.
@@ -397,6 +418,36 @@ struct QkChunks {
 }
 
 impl QkChunks {
+    /// The op for rows x [B, T, C] (checked against the three parts) and chunks of `c`.
+    fn new(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<Self> {
+        let (_, t, width) = x.dims3()?;
+        for p in [&q, &k, &v] {
+            p.check(width)?;
+        }
+        let ok =
+            q.norm.is_some() && k.norm.is_some() && q.d == k.d && q.heads * q.rep == k.heads * k.rep && c > 0 && t > 0;
+        if !ok {
+            candle_core::bail!("heads in chunks: q {q:?} and k {k:?} must be normed heads of one width and count");
+        }
+        Ok(QkChunks { q, k, t, c, slot: Arc::new(Mutex::new(None)), keys: Arc::new(Mutex::new(None)) })
+    }
+
+    /// The keys the forward left in `keys`.
+    fn keys(keys: &Mutex<Option<Tensor>>) -> Result<Tensor> {
+        let taken = keys.lock().ok().and_then(|mut k| k.take());
+        taken.ok_or_else(|| candle_core::Error::Msg("heads in chunks: the forward left no keys".into()))
+    }
+
+    /// q's and k's columns of d(x) written into the shared buffer (fresh zeros when the slot
+    /// holds none), which is returned.
+    fn grad(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let (qd, kd, _, _) = self.plan(x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1))?;
+        let buf = take_or_zeros(&mut *lock(&self.slot)?, x, false)?;
+        self.q.grad_into(&buf, x, grad, Some(qd))?;
+        self.k.grad_into(&buf, x, grad, Some(kd))?;
+        Ok(buf)
+    }
+
     /// Where q and k go, and the output's and the keys' shapes, for `rows` rows.
     fn plan(&self, rows: usize) -> Result<(HeadsDst, HeadsDst, Shape, Shape)> {
         if !rows.is_multiple_of(self.t) {
@@ -463,11 +514,123 @@ impl CustomOp1 for QkChunks {
 
     /// The last backward of the chain: q's and k's columns of d(x), then d(x) whole.
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let (qd, kd, _, _) = self.plan(x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1))?;
-        let buf = take_or_zeros(&mut *lock(&self.slot)?, x, false)?;
-        self.q.grad_into(&buf, x, grad, Some(qd))?;
-        self.k.grad_into(&buf, x, grad, Some(kd))?;
-        Ok(Some(buf))
+        Ok(Some(self.grad(x, grad)?))
+    }
+}
+
+/// [`conv_heads_qk_chunks`]' first op, over (x, w, bias): the conv, then [`QkChunks`] on its
+/// output, which it leaves in `mixed` for v's part.
+struct ConvQkChunks {
+    chunks: QkChunks,
+    conv: super::conv::FusedConv,
+    mixed: Arc<Mutex<Option<Tensor>>>,
+}
+
+impl ConvQkChunks {
+    fn leave(&self, mixed: Tensor) -> Result<()> {
+        *lock(&self.mixed)? = Some(mixed);
+        Ok(())
+    }
+}
+
+impl CustomOp3 for ConvQkChunks {
+    fn name(&self) -> &'static str {
+        "statecut-conv-heads-qk-chunks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (mixed, shape) = self.conv.cpu_fwd(x, xl, w, wl, b, bl)?;
+        let out = self.chunks.cpu_fwd(&mixed, &Layout::contiguous(&shape))?;
+        let none = candle_core::op::BackpropOp::none();
+        self.leave(Tensor::from_storage(candle_core::Storage::Cpu(mixed), shape, none, false))?;
+        Ok(out)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+        b: &candle_core::CudaStorage,
+        bl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (mixed, shape) = self.conv.cuda_fwd(x, xl, w, wl, b, bl)?;
+        let out = self.chunks.cuda_fwd(&mixed, &Layout::contiguous(&shape))?;
+        let none = candle_core::op::BackpropOp::none();
+        self.leave(Tensor::from_storage(candle_core::Storage::Cuda(mixed), shape, none, false))?;
+        Ok(out)
+    }
+
+    /// The last backward of the chain: the conv's output again, q's and k's columns of its
+    /// gradient (v's part wrote its own), then the conv's backward.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mixed = x.apply_op3_no_bwd(w, b, &self.conv)?;
+        let dmixed = self.chunks.grad(&mixed, grad)?;
+        self.conv.bwd(x, w, b, &mixed, &dmixed)
+    }
+}
+
+/// v's part of [`conv_heads_qk_chunks`], over (x, the q | k chunks, unread): its forward copies
+/// v from the conv's output the first op left, its backward writes v's columns of the conv
+/// output's gradient into the shared buffer (fresh zeros: its backward runs first). v is copied,
+/// so the backward reads nothing of the conv's output; x, of the same shape, stands in for its
+/// layout.
+struct ConvPart {
+    heads: Heads,
+    slot: Slot,
+    mixed: Arc<Mutex<Option<Tensor>>>,
+}
+
+impl ConvPart {
+    fn mixed(&self) -> Result<Tensor> {
+        let taken = lock(&self.mixed)?.take();
+        taken.ok_or_else(|| candle_core::Error::Msg("conv and heads in chunks: v's part ran without the conv".into()))
+    }
+}
+
+impl CustomOp2 for ConvPart {
+    fn name(&self) -> &'static str {
+        "statecut-conv-heads-part"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        super::on_cpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.heads.cpu_fwd(s, l))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::on_gpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.heads.cuda_fwd(s, l))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut slot = lock(&self.slot)?;
+        let buf = take_or_zeros(&mut slot, x, true)?;
+        self.heads.grad_into(&buf, x, grad, None)?;
+        *slot = Some(buf);
+        Ok((None, None))
     }
 }
 
@@ -765,6 +928,53 @@ mod tests {
         let odd = Heads { off: 12, heads: 2, d: 5, rep: 2, norm: Some(1e-6) };
         assert!(heads_qk_chunks(&wide, q, odd, v, c).is_err(), "q and k of different widths");
         assert!(heads_qk_chunks(&wide, q, Heads { norm: None, ..k }, v, c).is_err(), "unnormed keys");
+        Ok(())
+    }
+
+    /// The short conv inside the heads' ops gives what the conv op followed by the heads in
+    /// chunks gives: the same q | k, keys and v, and the same gradients of the conv's input (a
+    /// column slice), weight and bias, in a second backward over the graph too, in float32 and
+    /// bf16. A normed v, or a kernel wider than the conv's backward takes, is refused.
+    #[test]
+    fn conv_inside_the_heads_matches_conv_then_heads() -> Result<()> {
+        use crate::ops::conv::FusedConv;
+        let dev = Device::Cpu;
+        let (b, t, c, taps) = (2, 7, 4, 4);
+        let wide = Tensor::randn(0f32, 1.0, (b, t, 40), &dev)?;
+        let (q, k, v) = (
+            Heads { off: 0, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 12, heads: 2, d: 6, rep: 2, norm: Some(1e-6) },
+            Heads { off: 24, heads: 4, d: 3, rep: 1, norm: None },
+        );
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        for dtype in [DType::F32, DType::BF16] {
+            let x = candle_core::Var::from_tensor(&wide.to_dtype(dtype)?)?;
+            let w = candle_core::Var::from_tensor(&Tensor::randn(0f32, 0.5, (38, taps), &dev)?.to_dtype(dtype)?)?;
+            let bias = candle_core::Var::from_tensor(&Tensor::randn(0f32, 0.5, 38, &dev)?.to_dtype(dtype)?)?;
+            let rows = x.as_tensor().narrow(2, 1, 38)?;
+            let (qk, keys, tv) = conv_heads_qk_chunks(&rows, w.as_tensor(), bias.as_tensor(), q, k, v, c)?;
+            let mixed = rows.apply_op3(w.as_tensor(), bias.as_tensor(), FusedConv::causal_silu(taps)?)?;
+            let (rqk, rkeys, rv) = heads_qk_chunks(&mixed, q, k, v, c)?;
+            assert_eq!(max_diff(&qk, &rqk), 0.0, "q | k ({dtype:?})");
+            assert_eq!(max_diff(&keys, &rkeys), 0.0, "keys ({dtype:?})");
+            assert_eq!(max_diff(&f(&tv), &f(&rv)), 0.0, "v ({dtype:?})");
+            let (w1, w2) = (Tensor::randn(0f32, 1.0, qk.dims(), &dev)?, Tensor::randn(0f32, 1.0, tv.dims(), &dev)?);
+            let grads = |a: &Tensor, v: &Tensor| -> Result<Vec<Tensor>> {
+                let g = ((a * &w1)?.sum_all()? + (f(v) * &w2)?.sum_all()?)?.backward()?;
+                Ok([&x, &w, &bias].iter().map(|t| f(g.get(t.as_tensor()).expect("a gradient"))).collect())
+            };
+            let expect = grads(&rqk, &rv)?;
+            for pass in 0..2 {
+                for (name, (got, want)) in ["x", "w", "bias"].iter().zip(grads(&qk, &tv)?.iter().zip(&expect)) {
+                    assert!(max_diff(got, want) < 1e-6, "d{name}, backward {pass} ({dtype:?})");
+                }
+            }
+        }
+        let (w, bias) = (Tensor::zeros((40, taps), DType::F32, &dev)?, Tensor::zeros(40, DType::F32, &dev)?);
+        let normed = Heads { norm: Some(1e-6), ..v };
+        assert!(conv_heads_qk_chunks(&wide, &w, &bias, q, k, normed, c).is_err(), "a normed v");
+        let wide_kernel = Tensor::zeros((40, 9), DType::F32, &dev)?;
+        assert!(conv_heads_qk_chunks(&wide, &wide_kernel, &bias, q, k, v, c).is_err(), "nine taps");
         Ok(())
     }
 }
