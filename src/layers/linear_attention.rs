@@ -321,12 +321,15 @@ impl LinearAttention {
         let (hq, hk, hv, scale) = self.heads();
         let c = crate::ops::chunked::chunk_len(x.dim(1)?);
         let operands = self.conv.as_ref().map(|conv| conv.grad_operands(&p.qkv)).transpose()?.flatten();
-        let (qk, keys, v) = match (operands, &self.conv) {
-            (Some((w, bias)), _) => crate::ops::prep::conv_heads_qk_chunks(&p.qkv, &w, &bias, hq, hk, hv, c)?,
-            (None, Some(conv)) => {
-                crate::ops::prep::heads_qk_chunks(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?
+        let (qk, keys, v) = {
+            let _s = crate::profile::span("short conv + heads in chunks", x.device());
+            match (operands, &self.conv) {
+                (Some((w, bias)), _) => crate::ops::prep::conv_heads_qk_chunks(&p.qkv, &w, &bias, hq, hk, hv, c)?,
+                (None, Some(conv)) => {
+                    crate::ops::prep::heads_qk_chunks(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?
+                }
+                (None, None) => crate::ops::prep::heads_qk_chunks(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
             }
-            (None, None) => crate::ops::prep::heads_qk_chunks(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
         };
         let o = {
             let _s = crate::profile::span("recurrence", x.device());
