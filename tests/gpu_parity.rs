@@ -855,48 +855,38 @@ fn conv_and_norm_gradients_match_cpu() {
         compare("grouped heads", dtype, &[rand(&[3, 70, 200], 24)], &rand(&out, 25), &grouped);
         // q and k normed straight into the chunk kernels' layout (70 steps: the last chunk
         // padded), the keys alone and v beside them, flattened; an even width (column pairs)
-        // and an odd one at odd offsets (single columns).
-        for (off, d) in [(0, 48), (5, 47)] {
-            let chunked = move |t: &[Tensor], dt: DType| {
-                use statecut::ops::prep::Heads;
-                let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
-                let (qk, keys, v) = statecut::ops::prep::heads_qk_chunks(
-                    &rows,
-                    Heads { off, heads: 2, d, rep: 2, norm: Some(1e-6) },
-                    Heads { off: off + 2 * d, heads: 2, d, rep: 2, norm: Some(1e-6) },
-                    Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None },
-                    64,
-                )
-                .unwrap();
-                let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-                Tensor::cat(&[flat(qk), flat(keys), flat(v)], 0).unwrap()
-            };
-            let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
-            compare(&format!("heads in chunks d {d}"), dtype, &[rand(&[3, 70, 200], 26)], &rand(&[n], 27), &chunked);
-        }
-        // The same with the short conv inside the ops (recovery's mixers with a conv): the conv's
-        // input a column slice, its weight and bias trained.
-        for (off, d) in [(0, 48), (5, 47)] {
-            let chunked = move |t: &[Tensor], dt: DType| {
-                use statecut::ops::prep::Heads;
-                let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
-                let (w, bias) = (t[1].to_dtype(dt).unwrap(), t[2].to_dtype(dt).unwrap());
-                let (qk, keys, v) = statecut::ops::prep::conv_heads_qk_chunks(
-                    &rows,
-                    &w,
-                    &bias,
-                    Heads { off, heads: 2, d, rep: 2, norm: Some(1e-6) },
-                    Heads { off: off + 2 * d, heads: 2, d, rep: 2, norm: Some(1e-6) },
-                    Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None },
-                    64,
-                )
-                .unwrap();
-                let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-                Tensor::cat(&[flat(qk), flat(keys), flat(v)], 0).unwrap()
-            };
-            let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
-            let inputs = [rand(&[3, 70, 200], 28), (rand(&[196, 4], 29) * 0.5).unwrap(), rand(&[196], 30)];
-            compare(&format!("conv and heads in chunks d {d}"), dtype, &inputs, &rand(&[n], 31), &chunked);
+        // and an odd one at odd offsets (single columns). Then the same with the short conv
+        // inside the ops (recovery's mixers with a conv): its weight and bias trained.
+        for conv in [false, true] {
+            for (off, d) in [(0, 48), (5, 47)] {
+                let chunked = move |t: &[Tensor], dt: DType| {
+                    use statecut::ops::prep::{conv_heads_qk_chunks, heads_qk_chunks, Heads};
+                    let rows = t[0].to_dtype(dt).unwrap().narrow(2, 2, 196).unwrap();
+                    let q = Heads { off, heads: 2, d, rep: 2, norm: Some(1e-6) };
+                    let k = Heads { off: off + 2 * d, ..q };
+                    let v = Heads { off: 192, heads: 4, d: 1, rep: 1, norm: None };
+                    let (qk, keys, v) = match conv {
+                        false => heads_qk_chunks(&rows, q, k, v, 64),
+                        true => {
+                            let (w, bias) = (t[1].to_dtype(dt).unwrap(), t[2].to_dtype(dt).unwrap());
+                            conv_heads_qk_chunks(&rows, &w, &bias, q, k, v, 64)
+                        }
+                    }
+                    .unwrap();
+                    let flat = |x: Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                    Tensor::cat(&[flat(qk), flat(keys), flat(v)], 0).unwrap()
+                };
+                let n = 2 * 12 * 64 * 3 * d + 3 * 70 * 4;
+                let (what, seed) = match conv {
+                    false => (format!("heads in chunks d {d}"), 26),
+                    true => (format!("conv and heads in chunks d {d}"), 28),
+                };
+                let mut inputs = vec![rand(&[3, 70, 200], seed)];
+                if conv {
+                    inputs.extend([(rand(&[196, 4], 29) * 0.5).unwrap(), rand(&[196], 30)]);
+                }
+                compare(&what, dtype, &inputs, &rand(&[n], seed + 1 + 2 * conv as u64), &chunked);
+            }
         }
         // A trained projection (recovery's adapted weights): the input and the weight trained.
         let trained = |t: &[Tensor], dt: DType| {

@@ -392,12 +392,14 @@ impl LinearAttention {
         }
         let o = o.to_dtype(x.dtype())?;
         // With gradients on a GPU, the norm and a frozen output projection are one op.
-        if let (OutputGate::None | OutputGate::Silu, Some(w)) = (&self.gate, self.o_proj.frozen_weight()) {
-            let gate = z.filter(|_| matches!(self.gate, OutputGate::Silu));
-            if matches!(self.gate, OutputGate::None) || gate.is_some() {
-                if let Some(y) = self.norm.project_heads(&o, gate, w)? {
-                    return Ok(y);
-                }
+        let gate = match self.gate {
+            OutputGate::None => Some(None),
+            OutputGate::Silu => z.map(Some),
+            OutputGate::SigmoidLowRank { .. } => None,
+        };
+        if let (Some(gate), Some(w)) = (gate, self.o_proj.frozen_weight()) {
+            if let Some(y) = self.norm.project_heads(&o, gate, w)? {
+                return Ok(y);
             }
         }
         // The norms by heads lay o out [b, t, v_heads · dv], as the output projection reads it.

@@ -1,7 +1,7 @@
 //! RMS and L2 normalisation, computed in float32 whatever the weight dtype.
 
 use super::derived::Derived;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// How a norm applies its weight: fla/mamba use `x̂·w`, Qwen3.5 decoder norms `x̂·(1+w)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,7 +180,10 @@ fn norm_projected(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64, 
     let dims = x.dims();
     let mut flat = dims[..dims.len() - 2].to_vec();
     flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
-    let op = NormProjected { norm: GatedRms { eps: eps as f32, gated: gate.is_some() }, proj: proj.detach() };
+    let op = NormProjected {
+        norm: GatedRms { eps: eps as f32, gated: gate.is_some() },
+        proj: super::projection::FrozenLinear::new(proj),
+    };
     match gate {
         Some(g) => x.apply_op3(&g.to_dtype(x.dtype())?.contiguous()?.reshape(flat)?, weight, op),
         // Ungated, the gate's place holds x itself, in the output's layout, and is never read.
@@ -193,14 +196,7 @@ fn norm_projected(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64, 
 /// projection's input gradient (dy · W) to the norm's backward, which recomputes the norm from x.
 struct NormProjected {
     norm: GatedRms,
-    proj: Tensor,
-}
-
-impl NormProjected {
-    /// The projection's operands for the norm's output laid out as `normed`.
-    fn plan(&self, normed: &Shape) -> Result<super::projection::Plan> {
-        super::projection::plan(&Layout::contiguous(normed), self.proj.layout())
-    }
+    proj: super::projection::FrozenLinear,
 }
 
 impl CustomOp3 for NormProjected {
@@ -217,14 +213,8 @@ impl CustomOp3 for NormProjected {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (normed, shape) = self.norm.cpu_fwd(x, xl, g, gl, w, wl)?;
-        let (bmnk, lhs, rhs, out) = self.plan(&shape)?;
-        let (p, _) = self.proj.storage_and_layout();
-        let candle_core::Storage::Cpu(p) = &*p else {
-            candle_core::bail!("norm projection: the weight is not on the CPU")
-        };
-        Ok((normed.matmul(p, bmnk, &lhs, &rhs)?, out))
+        self.proj.cpu_fwd(&normed, &Layout::contiguous(&shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -237,14 +227,8 @@ impl CustomOp3 for NormProjected {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (normed, shape) = self.norm.cuda_fwd(x, xl, g, gl, w, wl)?;
-        let (bmnk, lhs, rhs, out) = self.plan(&shape)?;
-        let (p, _) = self.proj.storage_and_layout();
-        let candle_core::Storage::Cuda(p) = &*p else {
-            candle_core::bail!("norm projection: the weight is not on the GPU")
-        };
-        Ok((normed.matmul(p, bmnk, &lhs, &rhs)?, out))
+        self.proj.cuda_fwd(&normed, &Layout::contiguous(&shape))
     }
 
     fn bwd(
@@ -255,10 +239,9 @@ impl CustomOp3 for NormProjected {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let out = self.proj.dim(0)?;
-        let rows = grad.elem_count() / out.max(1);
-        let dy = grad.to_dtype(x.dtype())?.contiguous()?.reshape((rows, out))?;
-        let dn = dy.matmul(&self.proj)?.reshape(g.shape())?;
+        // The gate's place has the norm's output layout, the projection's input.
+        let dn = self.proj.bwd(g, res, &grad.to_dtype(x.dtype())?)?;
+        let dn = dn.ok_or_else(|| candle_core::Error::Msg("norm projection: no input gradient".into()))?;
         self.norm.bwd(x, g, w, res, &dn)
     }
 }

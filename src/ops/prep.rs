@@ -270,11 +270,24 @@ pub fn heads_qkv(x: &Tensor, q: Heads, k: Heads, v: Heads) -> Result<(Tensor, Te
     Ok((tq, tk, tv))
 }
 
-/// The d(x) that [`heads_qkv`]'s parts write into, between their backwards.
+/// A tensor one op hands another: the d(x) that [`heads_qkv`]'s parts write into between their
+/// backwards, or what a forward leaves for the next op (the keys alone, the conv's output).
 type Slot = Arc<Mutex<Option<Tensor>>>;
 
 fn lock(slot: &Slot) -> Result<std::sync::MutexGuard<'_, Option<Tensor>>> {
-    slot.lock().map_err(|_| candle_core::Error::Msg("heads: a backward panicked".into()))
+    slot.lock().map_err(|_| candle_core::Error::Msg("heads: an op panicked holding a shared tensor".into()))
+}
+
+/// The tensor one op left in `slot` for another, taken out; an error naming what is `missing`.
+fn take(slot: &Slot, missing: &str) -> Result<Tensor> {
+    let taken = lock(slot)?.take();
+    taken.ok_or_else(|| candle_core::Error::Msg(missing.to_string()))
+}
+
+/// Leave `t` in `slot` for the op that [`take`]s it.
+fn leave(slot: &Slot, t: Tensor) -> Result<()> {
+    *lock(slot)? = Some(t);
+    Ok(())
 }
 
 /// The d(x) buffer in `slot` (taken out), or fresh zeros of x's shape when there is none or the
@@ -403,7 +416,7 @@ pub fn conv_heads_qk_chunks(
     let (slot, keys, mixed) = (chunks.slot.clone(), chunks.keys.clone(), Arc::new(Mutex::new(None)));
     let x = super::as_rows(x)?;
     let qk = x.apply_op3(w, bias, ConvQkChunks { chunks, conv, mixed: mixed.clone() })?;
-    let tv = x.apply_op2(&qk, ConvPart { heads: v, slot, mixed })?;
+    let tv = x.apply_op2(&qk, ConvPart { part: Part { heads: v, slot, opens: true }, mixed })?;
     Ok((qk, QkChunks::keys(&keys)?, tv))
 }
 
@@ -414,7 +427,7 @@ struct QkChunks {
     t: usize,
     c: usize,
     slot: Slot,
-    keys: Arc<Mutex<Option<Tensor>>>,
+    keys: Slot,
 }
 
 impl QkChunks {
@@ -433,9 +446,8 @@ impl QkChunks {
     }
 
     /// The keys the forward left in `keys`.
-    fn keys(keys: &Mutex<Option<Tensor>>) -> Result<Tensor> {
-        let taken = keys.lock().ok().and_then(|mut k| k.take());
-        taken.ok_or_else(|| candle_core::Error::Msg("heads in chunks: the forward left no keys".into()))
+    fn keys(keys: &Slot) -> Result<Tensor> {
+        take(keys, "heads in chunks: the forward left no keys")
     }
 
     /// q's and k's columns of d(x) written into the shared buffer (fresh zeros when the slot
@@ -457,12 +469,6 @@ impl QkChunks {
         let bh = rows / self.t * hr;
         let qd = HeadsDst { t: self.t, c: self.c, w: 2 * d, col: 0 };
         Ok((qd, HeadsDst { col: d, ..qd }, Shape::from((n, bh, self.c, 2 * d)), Shape::from((n, bh, self.c, d))))
-    }
-
-    fn put_keys(&self, keys: Tensor) -> Result<()> {
-        *self.keys.lock().map_err(|_| candle_core::Error::Msg("heads in chunks: a forward panicked".into()))? =
-            Some(keys);
-        Ok(())
     }
 }
 
@@ -488,7 +494,7 @@ impl CustomOp1 for QkChunks {
             CpuStorage::F16(x) => go!(x),
             _ => candle_core::bail!("heads in chunks: unsupported dtype"),
         }
-        self.put_keys(Tensor::from_vec(keys, kshape, &candle_core::Device::Cpu)?)?;
+        leave(&self.keys, Tensor::from_vec(keys, kshape, &candle_core::Device::Cpu)?)?;
         Ok((CpuStorage::F32(out), shape))
     }
 
@@ -508,7 +514,7 @@ impl CustomOp1 for QkChunks {
         super::cuda::heads_into(&mut out, Some(&mut keys), x, at, r.rows, &self.k, Some(&kd))?;
         let keys =
             Tensor::from_storage(candle_core::Storage::Cuda(keys), kshape, candle_core::op::BackpropOp::none(), false);
-        self.put_keys(keys)?;
+        leave(&self.keys, keys)?;
         Ok((out, shape))
     }
 
@@ -523,14 +529,7 @@ impl CustomOp1 for QkChunks {
 struct ConvQkChunks {
     chunks: QkChunks,
     conv: super::conv::FusedConv,
-    mixed: Arc<Mutex<Option<Tensor>>>,
-}
-
-impl ConvQkChunks {
-    fn leave(&self, mixed: Tensor) -> Result<()> {
-        *lock(&self.mixed)? = Some(mixed);
-        Ok(())
-    }
+    mixed: Slot,
 }
 
 impl CustomOp3 for ConvQkChunks {
@@ -550,7 +549,7 @@ impl CustomOp3 for ConvQkChunks {
         let (mixed, shape) = self.conv.cpu_fwd(x, xl, w, wl, b, bl)?;
         let out = self.chunks.cpu_fwd(&mixed, &Layout::contiguous(&shape))?;
         let none = candle_core::op::BackpropOp::none();
-        self.leave(Tensor::from_storage(candle_core::Storage::Cpu(mixed), shape, none, false))?;
+        leave(&self.mixed, Tensor::from_storage(candle_core::Storage::Cpu(mixed), shape, none, false))?;
         Ok(out)
     }
 
@@ -567,7 +566,7 @@ impl CustomOp3 for ConvQkChunks {
         let (mixed, shape) = self.conv.cuda_fwd(x, xl, w, wl, b, bl)?;
         let out = self.chunks.cuda_fwd(&mixed, &Layout::contiguous(&shape))?;
         let none = candle_core::op::BackpropOp::none();
-        self.leave(Tensor::from_storage(candle_core::Storage::Cuda(mixed), shape, none, false))?;
+        leave(&self.mixed, Tensor::from_storage(candle_core::Storage::Cuda(mixed), shape, none, false))?;
         Ok(out)
     }
 
@@ -588,20 +587,17 @@ impl CustomOp3 for ConvQkChunks {
 }
 
 /// v's part of [`conv_heads_qk_chunks`], over (x, the q | k chunks, unread): its forward copies
-/// v from the conv's output the first op left, its backward writes v's columns of the conv
-/// output's gradient into the shared buffer (fresh zeros: its backward runs first). v is copied,
-/// so the backward reads nothing of the conv's output; x, of the same shape, stands in for its
-/// layout.
+/// v from the conv's output the first op left, its backward is [`Part`]'s (an opening part: it
+/// runs first). v is copied, so the backward reads nothing of the conv's output; x, of the same
+/// shape, stands in for its layout.
 struct ConvPart {
-    heads: Heads,
-    slot: Slot,
-    mixed: Arc<Mutex<Option<Tensor>>>,
+    part: Part,
+    mixed: Slot,
 }
 
 impl ConvPart {
     fn mixed(&self) -> Result<Tensor> {
-        let taken = lock(&self.mixed)?.take();
-        taken.ok_or_else(|| candle_core::Error::Msg("conv and heads in chunks: v's part ran without the conv".into()))
+        take(&self.mixed, "conv and heads in chunks: v's part ran without the conv")
     }
 }
 
@@ -611,7 +607,7 @@ impl CustomOp2 for ConvPart {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        super::on_cpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.heads.cpu_fwd(s, l))
+        super::on_cpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.part.heads.cpu_fwd(s, l))
     }
 
     #[cfg(feature = "cuda")]
@@ -622,14 +618,11 @@ impl CustomOp2 for ConvPart {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::on_gpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.heads.cuda_fwd(s, l))
+        super::on_gpu(&self.mixed()?, "conv and heads in chunks", |s, l| self.part.heads.cuda_fwd(s, l))
     }
 
     fn bwd(&self, x: &Tensor, _: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let mut slot = lock(&self.slot)?;
-        let buf = take_or_zeros(&mut slot, x, true)?;
-        self.heads.grad_into(&buf, x, grad, None)?;
-        *slot = Some(buf);
+        self.part.deposit(x, grad)?;
         Ok((None, None))
     }
 }

@@ -20,10 +20,19 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if x.dims().last() != Some(&inp) || !w.is_contiguous() {
         candle_core::bail!("frozen projection: input {:?}, weight [{out}, {inp}] (contiguous rows)", x.shape());
     }
-    x.contiguous()?.apply_op1(FrozenLinear(w.detach()))
+    x.contiguous()?.apply_op1(FrozenLinear::new(w))
 }
 
-struct FrozenLinear(Tensor);
+/// [`frozen_linear`]'s op, which ops ending in a frozen projection run inside their own
+/// (`ops::norm`'s norm with its output projection).
+pub(super) struct FrozenLinear(Tensor);
+
+impl FrozenLinear {
+    /// The projection by `w` [out, in] (contiguous rows), detached.
+    pub(super) fn new(w: &Tensor) -> Self {
+        Self(w.detach())
+    }
+}
 
 /// One product: its sizes (batch, m, n, k), the two operands' layouts and the output's shape.
 pub(super) type Plan = ((usize, usize, usize, usize), Layout, Layout, Shape);
@@ -48,6 +57,7 @@ impl CustomOp1 for FrozenLinear {
         Ok((x.matmul(w, bmnk, &lhs, &rhs)?, shape))
     }
 
+    /// dx = dy · w, laid out as x (only x's shape is read).
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let out = self.0.dim(0)?;
         let rows = grad.elem_count() / out.max(1);
