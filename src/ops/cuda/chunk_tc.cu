@@ -38,6 +38,8 @@ __device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, cons
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#elif defined(STATECUT_EMULATED)
+  tc_mma_emulated(c, a, m0, b, n0, k0, g, t);  // tests/kernels: the kernels run on the host
 #else
   __trap();  // chunk.rs launches the _tc kernels only on compute capability 8.0 and above
 #endif
