@@ -14,6 +14,8 @@ pub mod decode;
 pub mod delta_rule;
 pub mod derived;
 pub mod distill;
+#[cfg(test)]
+mod host_kernels;
 mod launch;
 pub mod mlp;
 pub mod norm;

@@ -1,7 +1,9 @@
 // The chunk kernels of src/ops/cuda run on the host (emulation.h): each tensor-core (`_tc`)
 // kernel against its float32 (`_f32`) twin on the same random inputs, for the shapes given on
 // the command line. Prints one line per output: `<kernel> <output> <max |tc − f32| / max |f32|>`.
-// With `--dump DIR` it also writes every `_tc` output to DIR as raw float32, for comparing builds.
+// With `--dump DIR` it also writes to DIR, as raw float32, every `_tc` output (`<kernel>.<output>`,
+// for comparing builds), its `_f32` twin (`<kernel>.<output>.f32`) and the inputs (`in.<name>`),
+// from which the crate's tests compute the same outputs with the CPU ops.
 //
 //   chunk_kernels N BH C DK DV [--dump DIR]
 #include "emulation.h"
@@ -44,6 +46,13 @@ Buf gammas(const Shape &s) {
 }
 
 std::string dump_dir;
+// One buffer as raw float32 in the dump directory, if there is one.
+void emit(const std::string &name, const Buf &x) {
+  if (dump_dir.empty()) return;
+  FILE *f = std::fopen((dump_dir + "/" + name).c_str(), "wb");
+  std::fwrite(x.data(), 4, x.size(), f);
+  std::fclose(f);
+}
 void report(const char *kernel, const char *what, const Buf &tc, const Buf &f32) {
   double diff = 0.0, scale = 0.0;
   for (size_t i = 0; i < tc.size(); ++i) {
@@ -53,10 +62,8 @@ void report(const char *kernel, const char *what, const Buf &tc, const Buf &f32)
   }
   std::printf("%s %s %.3e\n", kernel, what, scale > 0 ? diff / scale : diff);
   if (!dump_dir.empty()) {
-    const std::string path = dump_dir + "/" + kernel + "." + what;
-    FILE *f = std::fopen(path.c_str(), "wb");
-    std::fwrite(tc.data(), 4, tc.size(), f);
-    std::fclose(f);
+    emit(std::string(kernel) + "." + what, tc);
+    emit(std::string(kernel) + "." + what + ".f32", f32);
   }
 }
 Buf part(const Buf &x, size_t from, size_t len) { return Buf(x.begin() + from, x.begin() + from + len); }
@@ -69,6 +76,9 @@ void intra(const Shape &s) {
   Buf scal = uniform(bl * s.c, 0.05f, 0.95f);
   const Buf g = gammas(s);
   scal.insert(scal.end(), g.begin(), g.end());
+  emit("in.intra.k", k);
+  emit("in.intra.v", v);
+  emit("in.intra.scal", scal);
   const size_t lw = bl * s.c * s.dv, lk = bl * s.c * s.dk;
   Buf fw[2];
   for (int tc = 0; tc < 2; ++tc) {
@@ -83,6 +93,8 @@ void intra(const Shape &s) {
   report("chunk_intra_fwd", "kc", part(fw[1], lw, lk), part(fw[0], lw, lk));
 
   const Buf gw = normal(lw, 1.0f), gkc = normal(lk, 1.0f);
+  emit("in.intra.gw", gw);
+  emit("in.intra.gkc", gkc);
   const size_t n = bl * s.c * (s.dk + s.dv + 2);
   Buf bw[2];
   for (int tc = 0; tc < 2; ++tc) {
@@ -105,6 +117,9 @@ void out(const Shape &s) {
   const size_t lu = bl * s.c * s.dv, ls = (size_t)(s.n + 1) * s.bh * s.dk * s.dv, lq = bl * s.c * 2 * s.dk;
   const Buf qk = normal(lq, 1.0f / std::sqrt((float)s.dk)), walked = normal(lu + ls, 1.0f), g = gammas(s);
   const float scale = 1.0f / std::sqrt((float)s.dk);
+  emit("in.out.qk", qk);
+  emit("in.out.walked", walked);
+  emit("in.out.gamma", g);
   Buf o[2];
   for (int tc = 0; tc < 2; ++tc) {
     Buf x(lu, NAN);
@@ -117,6 +132,7 @@ void out(const Shape &s) {
   report("chunk_out_fwd", "o", o[1], o[0]);
 
   const Buf grad = normal(lu, 1.0f);
+  emit("in.out.grad", grad);
   Buf dqk[2], rest[2];
   for (int tc = 0; tc < 2; ++tc) {
     Buf d(lq, NAN), r(lu + ls + bl * s.c, 0.0f);
@@ -138,6 +154,8 @@ void walk(const Shape &s) {
   const size_t lu = bl * s.c * s.dv, lk = bl * s.c * s.dk, ls = (size_t)s.bh * s.dk * s.dv;
   const Buf w = normal(lu, 1.0f), kc = normal(lk, 0.3f), k = normal(lk, 1.0f / std::sqrt((float)s.dk));
   const Buf e = uniform(bl * s.c, 0.3f, 1.0f), s0 = normal(ls, 1.0f), a = uniform(bl * s.dk, 0.5f, 1.0f);
+  for (auto [name, x] : {std::pair{"w", &w}, {"kc", &kc}, {"k", &k}, {"e", &e}, {"s0", &s0}, {"a", &a}})
+    emit(std::string("in.walk.") + name, *x);
   const dim3 grid{unsigned((s.dv + WALK_TV - 1) / WALK_TV), unsigned(s.bh), 1};
   Buf u[2], st[2];
   for (int tc = 0; tc < 2; ++tc) {
@@ -153,6 +171,8 @@ void walk(const Shape &s) {
   report("chunk_walk_fwd", "states", st[1], st[0]);
 
   const Buf gu = normal(lu, 1.0f), gs = normal((s.n + 1) * ls, 1.0f);
+  emit("in.walk.gu", gu);
+  emit("in.walk.gs", gs);
   const int tiles = (s.dv + WALK_TV - 1) / WALK_TV;
   Buf dw[2], gend[2], ds0[2], da(tiles * bl * s.dk, NAN), de(tiles * bl * s.c, NAN);
   for (int tc = 0; tc < 2; ++tc) {
