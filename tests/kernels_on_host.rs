@@ -11,27 +11,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Builds the harness with the host's C++ compiler (`CXX`, else `c++`), with TF32 operands or not.
+include!("kernels/harness.rs");
+
+/// The harness with TF32 operands or float32 ones, in this test's scratch directory.
 fn build(tf32: bool) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let out = dir.join(if tf32 { "chunk_kernels_tf32" } else { "chunk_kernels" });
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let mut cmd = Command::new(&cxx);
-    cmd.args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
-        .arg(root.join("tests/kernels/include"))
-        .arg(root.join("tests/kernels/chunk_kernels.cpp"))
-        .arg("-o")
-        .arg(&out);
-    if tf32 {
-        cmd.arg("-DEMULATE_TF32");
-    }
-    let status = cmd.status().unwrap_or_else(|e| {
-        panic!(
-            "this test compiles tests/kernels with a C++20 compiler: `{cxx}` did not run ({e}); install g++ or set CXX"
-        )
-    });
-    assert!(status.success(), "{cxx} failed on tests/kernels/chunk_kernels.cpp");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(if tf32 { "chunk_kernels_tf32" } else { "chunk_kernels" });
+    build_harness(&out, tf32);
     out
 }
 

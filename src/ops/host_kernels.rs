@@ -10,22 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-/// The harness, built once per test process with the host's C++ compiler (`CXX`, else `c++`).
+include!("../../tests/kernels/harness.rs");
+
+/// The harness (float32 operands), built once per test process.
 fn harness() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let out = Path::new(env!("OUT_DIR")).join("chunk_kernels_host");
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let status = Command::new(&cxx)
-            .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
-            .arg(root.join("tests/kernels/include"))
-            .arg(root.join("tests/kernels/chunk_kernels.cpp"))
-            .arg("-o")
-            .arg(&out)
-            .status()
-            .unwrap_or_else(|e| panic!("these tests compile tests/kernels with a C++20 compiler: `{cxx}` did not run ({e}); install g++ or set CXX"));
-        assert!(status.success(), "{cxx} failed on tests/kernels/chunk_kernels.cpp");
+        build_harness(&out, false);
         out
     })
 }

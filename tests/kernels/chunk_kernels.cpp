@@ -61,10 +61,8 @@ void report(const char *kernel, const char *what, const Buf &tc, const Buf &f32)
     if (!std::isfinite(tc[i])) diff = INFINITY;
   }
   std::printf("%s %s %.3e\n", kernel, what, scale > 0 ? diff / scale : diff);
-  if (!dump_dir.empty()) {
-    emit(std::string(kernel) + "." + what, tc);
-    emit(std::string(kernel) + "." + what + ".f32", f32);
-  }
+  emit(std::string(kernel) + "." + what, tc);
+  emit(std::string(kernel) + "." + what + ".f32", f32);
 }
 Buf part(const Buf &x, size_t from, size_t len) { return Buf(x.begin() + from, x.begin() + from + len); }
 

@@ -1,0 +1,24 @@
+// The harness's build, shared by tests/kernels_on_host.rs and src/ops/host_kernels.rs (each
+// `include!`s this file), so that both compile the kernels with the same compiler and flags.
+
+/// Builds tests/kernels/chunk_kernels.cpp into `out` with the host's C++ compiler (`CXX`, else
+/// `c++`), with TF32 operands in the emulated products or float32 ones.
+fn build_harness(out: &std::path::Path, tf32: bool) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut cmd = std::process::Command::new(&cxx);
+    cmd.args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
+        .arg(root.join("tests/kernels/include"))
+        .arg(root.join("tests/kernels/chunk_kernels.cpp"))
+        .arg("-o")
+        .arg(out);
+    if tf32 {
+        cmd.arg("-DEMULATE_TF32");
+    }
+    let status = cmd.status().unwrap_or_else(|e| {
+        panic!(
+            "this test compiles tests/kernels with a C++20 compiler: `{cxx}` did not run ({e}); install g++ or set CXX"
+        )
+    });
+    assert!(status.success(), "{cxx} failed on tests/kernels/chunk_kernels.cpp");
+}
