@@ -247,11 +247,14 @@ pub fn chunk_walk_back(
 
 /// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
 /// four backward), one or two column tiles, and its per-token scalars (three, five). On tensor
-/// cores the strides are 68 and 36, with two forward tiles and three backward.
+/// cores the strides are 68 and 36, with two tiles each way and three backward matrices.
 fn intra_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
-    let tiles = if tensor { 1 } else { 0 } + if backward { 2 } else { 1 };
-    4 * if backward { 4 * sq + tiles * tile + 5 * 64 } else { 2 * sq + tiles * tile + 3 * 64 }
+    match (backward, tensor) {
+        (true, true) => 4 * (3 * sq + 2 * tile + 5 * 64),
+        (true, false) => 4 * (4 * sq + 2 * tile + 5 * 64),
+        (false, _) => 4 * (2 * sq + (1 + usize::from(tensor)) * tile + 3 * 64),
+    }
 }
 
 /// Whether a chunk kernel runs in its `_tc` form: 16-bit inputs (the dims' `tensor`) on a GPU

@@ -357,15 +357,19 @@ extern "C" __global__ void __launch_bounds__(256)
   tc_intra_apply(T, kb, dk, c, ys, ta, kc_out + blk * c * dk);
 }
 
-// chunk_intra_bwd_f32 on tensor cores; shared memory G, T, D, M [64, TC_P], three tiles [64,
-// TC_TP] and five per-token scalars.
-extern "C" __global__ void __launch_bounds__(256)
+// chunk_intra_bwd_f32 on tensor cores; shared memory T, D, M [64, TC_P], two tiles [64, TC_TP]
+// and five per-token scalars: 70 KB, so that three blocks fit a multiprocessor (four [64, TC_P]
+// matrices and three tiles took 96 KB, two blocks). A is made in D and inverted from there; the
+// Gram matrix G lives in M until its entries become dG there, each in the thread that reads it;
+// the two [64, 64] products between go through registers; X, the tiles' per-row results, takes
+// the first tile's place once the products that read it are done.
+extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad_w,
                        const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
   extern __shared__ float ism[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *G = ism, *T = G + SQ, *D = T + SQ, *M = D + SQ, *ta = M + SQ, *tb = ta + TL, *X = tb + TL;
-  float *bet = X + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
+  float *T = ism, *D = T + SQ, *M = D + SQ, *G = M, *ta = M + SQ, *tb = ta + TL, *X = ta;
+  float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
   const float *gw = grad_w + blk * c * dv, *gkc = grad_kc + blk * c * dk;
@@ -380,9 +384,9 @@ extern "C" __global__ void __launch_bounds__(256)
     dgam[i] = 0.0f;
   }
   __syncthreads();
-  tc_intra_system(kb, c, dk, bet, gam, ta, tb, M, G);
+  tc_intra_system(kb, c, dk, bet, gam, ta, tb, D, G);
   __syncthreads();
-  intra_invert(M, c, T, TC_P);
+  intra_invert(D, c, T, TC_P);
   __syncthreads();
 
   // dT = dW (βV)ᵀ + dKc (β e^γ K)ᵀ, with dX = Tᵀ dW (→ dV, and v·dX into dβ) on the way.
@@ -397,6 +401,7 @@ extern "C" __global__ void __launch_bounds__(256)
     float x[2][4];
     tc_zero<2>(x);
     tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
+    __syncthreads();  // X takes ta's place
     tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
     __syncthreads();
     for (int j = warp; j < c; j += warps) {
@@ -415,25 +420,21 @@ extern "C" __global__ void __launch_bounds__(256)
   });
   __syncthreads();
 
-  // M = Tᵀ dT, then dA = M Tᵀ over dT.
-  {
+  // Tᵀ dT over dT, then dA = (Tᵀ dT) Tᵀ over it (M holds G).
+  for (int pass = 0; pass < 2; ++pass) {
     float m[4][4];
     tc_zero<4>(m);
-    tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq_t(T), tc_sq(D), false);
-    tc_each<4>(m, INTRA_C, INTRA_C, [&](int t, int j, float x) { M[t * TC_P + j] = x; });
-  }
-  __syncthreads();
-  {
-    float m[4][4];
-    tc_zero<4>(m);
-    tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(M), tc_sq_t(T), false);
+    if (pass == 0)
+      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq_t(T), tc_sq(D), false);
+    else
+      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(D), tc_sq_t(T), false);
     __syncthreads();
     tc_each<4>(m, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
+    __syncthreads();
   }
-  __syncthreads();
 
-  // Per entry below the diagonal: dG into M, P = dA · A over dA in D; row sums of P and the
-  // G term of dβ by the row's thread.
+  // Per entry below the diagonal: dG into M over G (read first), P = dA · A over dA in D; row
+  // sums of P and the G term of dβ by the row's thread.
   if (tid < c) {
     const int t = tid;
     float pb = 0.0f, pg = 0.0f;
@@ -473,6 +474,7 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(tb), false);
     tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(tb), false);
+    __syncthreads();  // X takes ta's place
     // y and z hold the same elements in the same threads.
     tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
     tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x, float y) {
