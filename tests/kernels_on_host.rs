@@ -34,15 +34,18 @@ fn run(bin: &Path, shape: [usize; 5]) -> Vec<(String, f64)> {
             (format!("{} {}", f[0], f[1]), f[2].parse().expect("a number"))
         })
         .collect();
-    // Six kernels: the solve (2 + 4 outputs), the outputs (1 + 4) and the walk (2 + 5).
-    assert_eq!(rows.len(), 18, "{text}");
+    // The solve (2 + 4 outputs), the outputs (1 + 4), and the walk (2 + 5) in each tensor-core
+    // form that takes dk (`_k64`, `_k128` and the form for 256).
+    let walks = [64, 128, 256].iter().filter(|&&w| shape[3] <= w).count();
+    assert_eq!(rows.len(), 11 + 7 * walks, "{text}");
     rows
 }
 
 /// Shapes: the pruned DeltaNet's head (dk 64, dv 128); pruned widths with partial column tiles
 /// and a half chunk (48, 40, 32); the widest keys (256, the walk's eight tiles a warp); a
-/// sixteen-token chunk narrower than one tile.
-const SHAPES: [[usize; 5]; 4] = [[3, 2, 64, 64, 128], [2, 3, 32, 48, 40], [2, 1, 64, 256, 64], [1, 2, 16, 16, 20]];
+/// sixteen-token chunk narrower than one tile; dk 96 (the walk's `_k128` form, and the wider one).
+const SHAPES: [[usize; 5]; 5] =
+    [[3, 2, 64, 64, 128], [2, 3, 32, 48, 40], [2, 1, 64, 256, 64], [1, 2, 16, 16, 20], [2, 2, 64, 96, 72]];
 
 fn check(tf32: bool, bound: f64) {
     let bin = build(tf32);

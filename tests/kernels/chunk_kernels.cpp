@@ -147,6 +147,20 @@ void out(const Shape &s) {
   report("chunk_out_bwd", "dgamma", part(rest[1], lu + ls, bl * s.c), part(rest[0], lu + ls, bl * s.c));
 }
 
+// The tensor-core walk's forms by the widest keys they take (chunk.rs launches the narrowest
+// that holds dk), their names' suffixes, and the kernels.
+struct WalkForm {
+  int max_dk;
+  const char *suffix;
+  decltype(&chunk_walk_fwd_tc) fwd;
+  decltype(&chunk_walk_bwd_tc) bwd;
+};
+const WalkForm WALK_FORMS[] = {{64, "_k64", chunk_walk_fwd_tc_k64, chunk_walk_bwd_tc_k64},
+                               {128, "_k128", chunk_walk_fwd_tc_k128, chunk_walk_bwd_tc_k128},
+                               {256, "", chunk_walk_fwd_tc, chunk_walk_bwd_tc}};
+
+// Every tensor-core form that takes dk, against the float32 form: the one chunk.rs launches
+// reported as `chunk_walk_*`, the wider ones as `chunk_walk_*_tc<suffix>`.
 void walk(const Shape &s) {
   const long long bl = s.blocks();
   const size_t lu = bl * s.c * s.dv, lk = bl * s.c * s.dk, ls = (size_t)s.bh * s.dk * s.dv;
@@ -155,49 +169,28 @@ void walk(const Shape &s) {
   for (auto [name, x] : {std::pair{"w", &w}, {"kc", &kc}, {"k", &k}, {"e", &e}, {"s0", &s0}, {"a", &a}})
     emit(std::string("in.walk.") + name, *x);
   const dim3 grid{unsigned((s.dv + WALK_TV - 1) / WALK_TV), unsigned(s.bh), 1};
-  Buf u[2], st[2];
-  for (int tc = 0; tc < 2; ++tc) {
-    Buf uo(lu, NAN), so((s.n + 1) * ls, NAN);
-    emu::launch(grid, THREADS, [&] {
-      (tc ? chunk_walk_fwd_tc : chunk_walk_fwd_f32)(w.data(), kc.data(), k.data(), e.data(), s0.data(), a.data(),
-                                                    uo.data(), so.data(), s.n, s.bh, s.c, s.dk, s.dv, 1);
-    });
-    u[tc] = uo;
-    st[tc] = so;
-  }
-  report("chunk_walk_fwd", "u", u[1], u[0]);
-  report("chunk_walk_fwd", "states", st[1], st[0]);
-
   const Buf gu = normal(lu, 1.0f), gs = normal((s.n + 1) * ls, 1.0f);
   emit("in.walk.gu", gu);
   emit("in.walk.gs", gs);
   const int tiles = (s.dv + WALK_TV - 1) / WALK_TV;
-  Buf dw[2], gend[2], ds0[2], da(tiles * bl * s.dk, NAN), de(tiles * bl * s.c, NAN);
-  for (int tc = 0; tc < 2; ++tc) {
-    Buf x(lu, NAN), y(s.n * ls, NAN), z(ls, NAN);
-    emu::launch(grid, THREADS, [&] {
-      if (tc)
-        chunk_walk_bwd_tc(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), x.data(), y.data(), z.data(),
-                          s.n, s.bh, s.c, s.dk, s.dv, 1, u[0].data(), st[0].data(), da.data(), de.data());
-      else
-        chunk_walk_bwd_f32(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), x.data(), y.data(),
-                           z.data(), s.n, s.bh, s.c, s.dk, s.dv, 1);
-    });
-    dw[tc] = x;
-    gend[tc] = y;
-    ds0[tc] = z;
-  }
-  report("chunk_walk_bwd", "dw", dw[1], dw[0]);
-  report("chunk_walk_bwd", "gend", gend[1], gend[0]);
-  report("chunk_walk_bwd", "ds0", ds0[1], ds0[0]);
-  // The tensor-core form's partial sums over each 32-column tile, against the same sums of the
-  // float32 form's outputs: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j], de_i[t] = Σ_j U_i[t][j] (K_i
-  // G_{i+1})[t][j].
-  Buf rda(da.size()), rde(de.size());
+
+  // The float32 form.
+  Buf u(lu, NAN), st((s.n + 1) * ls, NAN), dw(lu, NAN), gend(s.n * ls, NAN), ds0(ls, NAN);
+  emu::launch(grid, THREADS, [&] {
+    chunk_walk_fwd_f32(w.data(), kc.data(), k.data(), e.data(), s0.data(), a.data(), u.data(), st.data(), s.n, s.bh,
+                       s.c, s.dk, s.dv, 1);
+  });
+  emu::launch(grid, THREADS, [&] {
+    chunk_walk_bwd_f32(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), dw.data(), gend.data(),
+                       ds0.data(), s.n, s.bh, s.c, s.dk, s.dv, 1);
+  });
+  // The tensor-core form's partial sums over each 32-column tile, from the float32 form's
+  // outputs: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j], de_i[t] = Σ_j U_i[t][j] (K_i G_{i+1})[t][j].
+  Buf rda(tiles * bl * s.dk), rde(tiles * bl * s.c);
   for (int tile = 0; tile < tiles; ++tile)
     for (long long b = 0; b < bl; ++b) {
-      const float *S = st[0].data() + b * s.dk * s.dv, *G = gend[0].data() + b * s.dk * s.dv;
-      const float *U = u[0].data() + b * s.c * s.dv, *K = k.data() + b * s.c * s.dk;
+      const float *S = st.data() + b * s.dk * s.dv, *G = gend.data() + b * s.dk * s.dv;
+      const float *U = u.data() + b * s.c * s.dv, *K = k.data() + b * s.c * s.dk;
       for (int r = 0; r < s.dk; ++r) {
         double x = 0.0;
         for (int j = tile * WALK_TV; j < std::min(s.dv, (tile + 1) * WALK_TV); ++j)
@@ -214,8 +207,31 @@ void walk(const Shape &s) {
         rde[(tile * bl + b) * s.c + t] = (float)x;
       }
     }
-  report("chunk_walk_bwd", "da_tiles", da, rda);
-  report("chunk_walk_bwd", "de_tiles", de, rde);
+
+  bool launched = true;
+  for (const WalkForm &f : WALK_FORMS) {
+    if (s.dk > f.max_dk) continue;
+    const std::string fwd = launched ? "chunk_walk_fwd" : std::string("chunk_walk_fwd_tc") + f.suffix;
+    const std::string bwd = launched ? "chunk_walk_bwd" : std::string("chunk_walk_bwd_tc") + f.suffix;
+    launched = false;
+    Buf uo(lu, NAN), so((s.n + 1) * ls, NAN);
+    emu::launch(grid, THREADS, [&] {
+      f.fwd(w.data(), kc.data(), k.data(), e.data(), s0.data(), a.data(), uo.data(), so.data(), s.n, s.bh, s.c, s.dk,
+            s.dv, 1);
+    });
+    report(fwd.c_str(), "u", uo, u);
+    report(fwd.c_str(), "states", so, st);
+    Buf x(lu, NAN), y(s.n * ls, NAN), z(ls, NAN), da(tiles * bl * s.dk, NAN), de(tiles * bl * s.c, NAN);
+    emu::launch(grid, THREADS, [&] {
+      f.bwd(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), x.data(), y.data(), z.data(), s.n, s.bh,
+            s.c, s.dk, s.dv, 1, u.data(), st.data(), da.data(), de.data());
+    });
+    report(bwd.c_str(), "dw", x, dw);
+    report(bwd.c_str(), "gend", y, gend);
+    report(bwd.c_str(), "ds0", z, ds0);
+    report(bwd.c_str(), "da_tiles", da, rda);
+    report(bwd.c_str(), "de_tiles", de, rde);
+  }
 }
 }  // namespace
 

@@ -150,7 +150,7 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, &chunk_kernel("chunk_walk_fwd", walk_tensor(d)))?;
+    let func = function(&dev, &walk_kernel("chunk_walk_fwd", d))?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -182,6 +182,21 @@ const TC_STATE_STRIDE: usize = 40;
 /// tiles.
 fn walk_tensor(d: &WalkDims) -> bool {
     chunk_tensor(d.tensor) && d.dk.is_multiple_of(16)
+}
+
+/// A walk kernel's name: the float32 form, or the tensor-core form for the key width (`_k64` and
+/// `_k128` hold the state product's accumulators for at most that many keys, and so fewer
+/// registers than the form for 256).
+fn walk_kernel(base: &str, d: &WalkDims) -> String {
+    if !walk_tensor(d) {
+        return chunk_kernel(base, false);
+    }
+    let width = match d.dk {
+        0..=64 => "_k64",
+        65..=128 => "_k128",
+        _ => "",
+    };
+    format!("{}{width}", chunk_kernel(base, true))
 }
 
 /// The walk's extra input split into S₀, the per-row decays a and the per-token key scales e.
@@ -227,7 +242,7 @@ pub fn chunk_walk_back(
     let (da, de) = (out.slice(rest..rest + la), out.slice(rest + la..));
     // G's and dU's column tiles, and one chunk's staged keys.
     let smem = walk_smem(d);
-    let func = function(&dev, &chunk_kernel("chunk_walk_bwd", tensor))?;
+    let func = function(&dev, &walk_kernel("chunk_walk_bwd", d))?;
     shared_memory(&func, smem)?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();

@@ -583,8 +583,11 @@ __device__ __forceinline__ void tc_walk_out(const float *x, int rows, float *dst
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    chunk_walk_fwd_tc(const float *w, const float *kc, const float *k, const float *e, const float *s0,
+// The walk's bodies are templates over SS, the state product's tiles per warp (dk / 32 rounded
+// up): its accumulators and epilogue operands are SS x 4 registers a thread, which for dk 256's
+// eight held 124 registers and two blocks a multiprocessor at every key width.
+template <int SS>
+__device__ __forceinline__ void walk_fwd_tc(const float *w, const float *kc, const float *k, const float *e, const float *s0,
                       const float *a, float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {
   extern __shared__ float wsm[];
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
@@ -615,14 +618,14 @@ extern "C" __global__ void __launch_bounds__(256)
       U[t * TC_SW + j] = es[t] * u;
       if (t < c && col0 + j < dv) ui[(long long)t * dv + col0 + j] = u;
     });
-    float av[8][4];
-    tc_fill<8>(av, dk, WALK_TV, [&](int r, int) { return ai[r]; });
+    float av[SS][4];
+    tc_fill<SS>(av, dk, WALK_TV, [&](int r, int) { return ai[r]; });
     __syncthreads();
     // S ← diag(a) S + Kᵀ diag(e) U (each element read and written by the thread that holds it)
-    float sacc[8][4];
-    tc_zero<8>(sacc);
-    tc_acc<8>(sacc, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
-    tc_each_with<8>(sacc, av, dk, WALK_TV,
+    float sacc[SS][4];
+    tc_zero<SS>(sacc);
+    tc_acc<SS>(sacc, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
+    tc_each_with<SS>(sacc, av, dk, WALK_TV,
                     [&](int r, int j, float x, float ar) { S[r * TC_SW + j] = ar * S[r * TC_SW + j] + x; });
     __syncthreads();
   }
@@ -633,8 +636,8 @@ extern "C" __global__ void __launch_bounds__(256)
 // add up over the tiles: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j] and de_i[t] = Σ_j U_i[t][j] (K_i
 // G_{i+1})[t][j] (= rowsum(K ∘ U Gᵀ)), from the walk's U and states (ures, sres), into da_part
 // [tiles, N, BH, dk] and de_part [tiles, N, BH, c].
-extern "C" __global__ void __launch_bounds__(256)
-    chunk_walk_bwd_tc(const float *kc, const float *k, const float *e, const float *a, const float *gu,
+template <int SS>
+__device__ __forceinline__ void walk_bwd_tc(const float *kc, const float *k, const float *e, const float *a, const float *gu,
                       const float *gs, float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv,
                       int delta, const float *ures, const float *sres, float *da_part, float *de_part) {
   extern __shared__ float wsm[];
@@ -691,8 +694,8 @@ extern "C" __global__ void __launch_bounds__(256)
       if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
     }
     // G's update: diag(a) G + gS_i, less Kcᵀ dU below
-    float keep[8][4];
-    tc_fill<8>(keep, dk, WALK_TV, [&](int r, int j) {
+    float keep[SS][4];
+    tc_fill<SS>(keep, dk, WALK_TV, [&](int r, int j) {
       return ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f);
     });
     __syncthreads();
@@ -700,11 +703,30 @@ extern "C" __global__ void __launch_bounds__(256)
       de_part[(part0 + blk) * c + t] = red[t * 4] + red[t * 4 + 1] + red[t * 4 + 2] + red[t * 4 + 3];
     tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
     // G ← diag(a) G − Kcᵀ dU + gS_i (each element read and written by the thread that holds it)
-    float g[8][4];
-    tc_zero<8>(g);
-    if (delta) tc_acc<8>(g, dk, WALK_TV, ck, TcView{KK, 1, kks}, TcView{dU, TC_SW, 1}, false);
-    tc_each_with<8>(g, keep, dk, WALK_TV, [&](int r, int j, float x, float kp) { G[r * TC_SW + j] = kp - x; });
+    float g[SS][4];
+    tc_zero<SS>(g);
+    if (delta) tc_acc<SS>(g, dk, WALK_TV, ck, TcView{KK, 1, kks}, TcView{dU, TC_SW, 1}, false);
+    tc_each_with<SS>(g, keep, dk, WALK_TV, [&](int r, int j, float x, float kp) { G[r * TC_SW + j] = kp - x; });
     __syncthreads();
   }
   tc_walk_out(G, dk, ds0 + (long long)h * dk * dv, dv, col0);
 }
+
+// The walk's kernels by key width: `_k64` for dk <= 64, `_k128` for dk <= 128, the plain name up
+// to 256 (chunk.rs picks one by dk). The narrower forms hold fewer registers, so more blocks fit
+// a multiprocessor.
+#define TC_WALK_KERNELS(suffix, ss, minblocks)                                                                \
+  extern "C" __global__ void __launch_bounds__(256, minblocks) chunk_walk_fwd_tc##suffix(                        \
+      const float *w, const float *kc, const float *k, const float *e, const float *s0, const float *a,         \
+      float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {                           \
+    walk_fwd_tc<ss>(w, kc, k, e, s0, a, u_out, states, n, bh, c, dk, dv, delta);                              \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, minblocks) chunk_walk_bwd_tc##suffix(                        \
+      const float *kc, const float *k, const float *e, const float *a, const float *gu, const float *gs,        \
+      float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv, int delta, const float *ures,   \
+      const float *sres, float *da_part, float *de_part) {                                                      \
+    walk_bwd_tc<ss>(kc, k, e, a, gu, gs, dw, gend, ds0, n, bh, c, dk, dv, delta, ures, sres, da_part, de_part); \
+  }
+TC_WALK_KERNELS(, 8, 2)
+TC_WALK_KERNELS(_k128, 4, 2)
+TC_WALK_KERNELS(_k64, 2, 4)
