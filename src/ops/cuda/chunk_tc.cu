@@ -106,9 +106,10 @@ __device__ __forceinline__ void tc_store2(float *row, int col, int width, float 
   }
 }
 
-// chunk_stage at row stride TC_TP, four columns a load where the rows are 16-byte aligned.
+// chunk_stage at row stride tp (TC_TP unless given), four columns a load where the rows are
+// 16-byte aligned.
 __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, int col0, int valid, int rows,
-                                         const float *scale, float *tile) {
+                                         const float *scale, float *tile, int tp = TC_TP) {
   if (((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0) {
     for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
       const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
@@ -120,11 +121,11 @@ __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, in
           x = make_float4(x.x * f, x.y * f, x.z * f, x.w * f);
         }
       }
-      *reinterpret_cast<float4 *>(tile + t * TC_TP + r) = x;
+      *reinterpret_cast<float4 *>(tile + t * tp + r) = x;
     }
     return;
   }
-  chunk_stage(src, ld, width, col0, valid, rows, scale, tile, TC_TP);
+  chunk_stage(src, ld, width, col0, valid, rows, scale, tile, tp);
 }
 
 // Row-major [rows, TC_TP] and [c, c] views, and their transposes.
@@ -134,14 +135,15 @@ __device__ __forceinline__ TcView tc_sq(const float *p) { return TcView{p, TC_P,
 __device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, TC_P}; }
 
 // acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
-// ldb), staged 32 columns at a time through ta and tb.
+// ldb), staged 32 columns at a time through ta and tb; a Gram matrix (B = A) stages A once.
 __device__ void tc_lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
                                   float *tb, float acc[4][4]) {
+  const bool gram = a == b && lda == ldb;
   for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
     tc_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
-    tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
+    if (!gram) tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
     __syncthreads();
-    tc_acc<4>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
+    tc_acc<4>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(gram ? ta : tb), true);
     __syncthreads();
   }
 }
@@ -197,8 +199,10 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], three tiles [64,
-// TC_TP], γ, scale·e^γ and dγ.
-extern "C" __global__ void __launch_bounds__(256)
+// TC_TP], γ, scale·e^γ and dγ. Until E ∘ D is made, its space holds Q̂ = diag(scale e^γ) Q's
+// first 64 key columns, so that dS's first 64 rows come from each tile of dO as it is staged
+// for E and dU (the rows past 64 stage their own tiles of Q̂ and dO).
+extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
                      float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
@@ -220,7 +224,9 @@ extern "C" __global__ void __launch_bounds__(256)
   tc_out_scores(q, c, dk, scale, gam, ta, tb, P);
   __syncthreads();
 
-  // E = dO Uᵀ, and dU = Pᵀ dO on the way.
+  // E = dO Uᵀ, and on the way dU = Pᵀ dO and dS = Q̂ᵀ dO for the first 64 keys (Q̂ in ED).
+  tc_stage(q, 2 * dk, dk, 0, c, INTRA_C, qs, ED, TC_P);
+  tc_stage(q, 2 * dk, dk, INTRA_TW, c, INTRA_C, qs, ED + INTRA_TW, TC_P);
   float e[4][4];
   tc_zero<4>(e);
   for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
@@ -233,6 +239,11 @@ extern "C" __global__ void __launch_bounds__(256)
     tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(ta), false);
     tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
       if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
+    });
+    tc_zero<2>(x);
+    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(ta), false);
+    tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int r, int col, float v, float w) {
+      if (r < dk) tc_store2(ds + (long long)r * dv, col0 + col, dv, v, w);
     });
     __syncthreads();
   }
@@ -252,8 +263,8 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   __syncthreads();
 
-  // dS = (diag(scale e^γ) Q)ᵀ dO, by key tile and column tile (32 x 32: one tile a warp).
-  for (int r0 = 0; r0 < dk; r0 += INTRA_TW)
+  // dS = Q̂ᵀ dO for the keys past 64, by key tile and column tile (32 x 32: one tile a warp).
+  for (int r0 = 2 * INTRA_TW; r0 < dk; r0 += INTRA_TW)
     for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
       tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, qs, ta);
       tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, tb);
@@ -587,9 +598,9 @@ __device__ __forceinline__ void tc_walk_out(const float *x, int rows, float *dst
 // up): its accumulators and epilogue operands are SS x 4 registers a thread, which for dk 256's
 // eight held 124 registers and two blocks a multiprocessor at every key width.
 template <int SS>
-__device__ __forceinline__ void walk_fwd_tc(const float *w, const float *kc, const float *k, const float *e, const float *s0,
-                      const float *a, float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {
-  extern __shared__ float wsm[];
+__device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const float *kc, const float *k,
+                                            const float *e, const float *s0, const float *a, float *u_out,
+                                            float *states, int n, int bh, int c, int dk, int dv, int delta) {
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
   float *S = wsm, *U = S + dk * TC_SW, *KK = U + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
@@ -637,10 +648,10 @@ __device__ __forceinline__ void walk_fwd_tc(const float *w, const float *kc, con
 // G_{i+1})[t][j] (= rowsum(K ∘ U Gᵀ)), from the walk's U and states (ures, sres), into da_part
 // [tiles, N, BH, dk] and de_part [tiles, N, BH, c].
 template <int SS>
-__device__ __forceinline__ void walk_bwd_tc(const float *kc, const float *k, const float *e, const float *a, const float *gu,
-                      const float *gs, float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv,
-                      int delta, const float *ures, const float *sres, float *da_part, float *de_part) {
-  extern __shared__ float wsm[];
+__device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const float *k, const float *e,
+                                            const float *a, const float *gu, const float *gs, float *dw, float *gend,
+                                            float *ds0, int n, int bh, int c, int dk, int dv, int delta,
+                                            const float *ures, const float *sres, float *da_part, float *de_part) {
   const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
   float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
@@ -719,13 +730,16 @@ __device__ __forceinline__ void walk_bwd_tc(const float *kc, const float *k, con
   extern "C" __global__ void __launch_bounds__(256, minblocks) chunk_walk_fwd_tc##suffix(                        \
       const float *w, const float *kc, const float *k, const float *e, const float *s0, const float *a,         \
       float *u_out, float *states, int n, int bh, int c, int dk, int dv, int delta) {                           \
-    walk_fwd_tc<ss>(w, kc, k, e, s0, a, u_out, states, n, bh, c, dk, dv, delta);                              \
+    extern __shared__ float wsm[];                                                                            \
+    walk_fwd_tc<ss>(wsm, w, kc, k, e, s0, a, u_out, states, n, bh, c, dk, dv, delta);                         \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(256, minblocks) chunk_walk_bwd_tc##suffix(                        \
       const float *kc, const float *k, const float *e, const float *a, const float *gu, const float *gs,        \
       float *dw, float *gend, float *ds0, int n, int bh, int c, int dk, int dv, int delta, const float *ures,   \
       const float *sres, float *da_part, float *de_part) {                                                      \
-    walk_bwd_tc<ss>(kc, k, e, a, gu, gs, dw, gend, ds0, n, bh, c, dk, dv, delta, ures, sres, da_part, de_part); \
+    extern __shared__ float wsm[];                                                                            \
+    walk_bwd_tc<ss>(wsm, kc, k, e, a, gu, gs, dw, gend, ds0, n, bh, c, dk, dv, delta, ures, sres, da_part,   \
+                    de_part);                                                                                 \
   }
 TC_WALK_KERNELS(, 8, 2)
 TC_WALK_KERNELS(_k128, 4, 2)
