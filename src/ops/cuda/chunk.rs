@@ -359,11 +359,11 @@ pub fn chunk_intra_back(
 
 /// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
 /// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36, with a
-/// third backward tile and a second forward scalar.
+/// second forward scalar.
 fn out_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
     let t = usize::from(tensor);
-    4 * if backward { 2 * sq + (2 + t) * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
+    4 * if backward { 2 * sq + 2 * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
 }
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).

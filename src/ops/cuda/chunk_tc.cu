@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], three tiles [64,
+// chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], two tiles [64,
 // TC_TP], γ, scale·e^γ and dγ. Until E ∘ D is made, its space holds Q̂ = diag(scale e^γ) Q's
 // first 64 key columns, so that dS's first 64 rows come from each tile of dO as it is staged
 // for E and dU (the rows past 64 stage their own tiles of Q̂ and dO).
@@ -207,8 +207,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                      float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL, *X = tb + TL;
-  float *gam = X + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
+  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL;
+  float *gam = tb + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
   const long long blk = blockIdx.x;
   const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
   const float *go = grad + blk * c * dv;
@@ -278,38 +278,43 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       __syncthreads();
     }
 
-  // By key tile: X = diag(e^γ) dO Sᵀ, dQ̃ = X + ED K, dK = EDᵀ Q̃, and e^γ q̃·(dO Sᵀ) into dγ.
-  for (int r0 = 0; r0 < dk; r0 += INTRA_TW) {
-    float x[2][4];
-    tc_zero<2>(x);
+  // By blocks of 64 keys: X = diag(e^γ) dO Sᵀ over every column tile of dO, into P's space (free
+  // since dγ took F's sums); then by key tile, dQ̃ = X + ED K, dK = EDᵀ Q̃, and e^γ q̃·(dO Sᵀ) into
+  // dγ. Each tile of dO is staged once a block of keys, where a key tile at a time staged it twice.
+  for (int b0 = 0; b0 < dk; b0 += INTRA_C) {
+    float x[4][4];
+    tc_zero<4>(x);
     for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
       tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, ta);
-      tc_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
+      tc_stage(S + (long long)b0 * dv, dv, dv, col0, dk - b0, INTRA_C, nullptr, tb);
       __syncthreads();
-      tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(ta), tc_cols(tb), false);
+      tc_acc<4>(x, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), false);
       __syncthreads();
     }
-    tc_each<2>(x, INTRA_C, INTRA_TW, [&](int t, int r, float v) { X[t * TC_TP + r] = __expf(gam[t]) * v; });
-    tc_stage(q + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
-    tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    for (int t = warp; t < c; t += blockDim.x / 32) {
-      const float s = warp_sum(X[t * TC_TP + lane] * tb[t * TC_TP + lane]);
-      if (lane == 0) dg[t] += scale * s;
+    tc_each<4>(x, INTRA_C, INTRA_C, [&](int t, int r, float v) { P[t * TC_P + r] = __expf(gam[t]) * v; });
+    for (int r0 = b0; r0 < dk && r0 < b0 + INTRA_C; r0 += INTRA_TW) {
+      const float *X = P + (r0 - b0);
+      tc_stage(q + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
+      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
+      __syncthreads();
+      for (int t = warp; t < c; t += blockDim.x / 32) {
+        const float s = warp_sum(X[t * TC_P + lane] * tb[t * TC_TP + lane]);
+        if (lane == 0) dg[t] += scale * s;
+      }
+      float y[2][4], z[2][4];
+      tc_zero<2>(y);
+      tc_zero<2>(z);
+      tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ta), false);
+      tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tb), false);
+      tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+        const float *xr = X + t * TC_P + r;
+        if (t < c) tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
+      });
+      tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+        if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
+      });
+      __syncthreads();
     }
-    float y[2][4], z[2][4];
-    tc_zero<2>(y);
-    tc_zero<2>(z);
-    tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ta), false);
-    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tb), false);
-    tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
-      const float *xr = X + t * TC_TP + r;
-      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
-    });
-    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
-      if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
-    });
-    __syncthreads();
   }
   for (int i = tid; i < c; i += blockDim.x) dgo[i] = dg[i];
 }
