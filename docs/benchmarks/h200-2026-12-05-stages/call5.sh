@@ -2,7 +2,7 @@
 # One call: fla 0.6.0's chunk_delta_rule and statecut's chunk kernels (this tree) at the same
 # shapes, output gradient seeded, taking turns; results in $OUT/fla.tgz.
 set -u
-source .dev/calls/setup.sh  
+source .dev/calls/setup.sh
 W=/tmp/res/fla; mkdir -p $W
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
