@@ -17,6 +17,7 @@
 // matrices TC_P.
 #define TC_TP 36
 #define TC_P 68
+#define TC_WARPS 8
 
 struct TcView {
   const float *p;
@@ -26,18 +27,39 @@ struct TcView {
 
 __device__ __forceinline__ unsigned tc_bits(float x) { return __float_as_uint(x); }
 
-// c += A[m0.., k0..k0+8] B[k0..k0+8, n0..] for one 16 x 8 tile (g = lane / 4, t = lane % 4).
-__device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, const TcView &b, int n0, int k0, int g,
-                                       int t) {
+// A warp's fragments of A[m0..m0+16, k0..k0+8] and B[k0..k0+8, n0..n0+8] (g = lane / 4,
+// t = lane % 4), and the product of two.
+__device__ __forceinline__ void tc_frag_a(unsigned f[4], const TcView &a, int m0, int k0, int g, int t) {
+  f[0] = tc_bits(a.at(m0 + g, k0 + t));
+  f[1] = tc_bits(a.at(m0 + g + 8, k0 + t));
+  f[2] = tc_bits(a.at(m0 + g, k0 + t + 4));
+  f[3] = tc_bits(a.at(m0 + g + 8, k0 + t + 4));
+}
+__device__ __forceinline__ void tc_frag_b(unsigned f[2], const TcView &b, int n0, int k0, int g, int t) {
+  f[0] = tc_bits(b.at(k0 + t, n0 + g));
+  f[1] = tc_bits(b.at(k0 + t + 4, n0 + g));
+}
+__device__ __forceinline__ void tc_mma_frags(float c[4], const unsigned a[4], const unsigned b[2]) {
 #if __CUDA_ARCH__ >= 800
-  const unsigned a0 = tc_bits(a.at(m0 + g, k0 + t)), a1 = tc_bits(a.at(m0 + g + 8, k0 + t)),
-                 a2 = tc_bits(a.at(m0 + g, k0 + t + 4)), a3 = tc_bits(a.at(m0 + g + 8, k0 + t + 4));
-  const unsigned b0 = tc_bits(b.at(k0 + t, n0 + g)), b1 = tc_bits(b.at(k0 + t + 4, n0 + g));
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  (void)c, (void)a, (void)b;
+  __trap();  // only the device forms call it
+#endif
+}
+
+// c += A[m0.., k0..k0+8] B[k0..k0+8, n0..] for one 16 x 8 tile (g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, const TcView &b, int n0, int k0, int g,
+                                       int t) {
+#if __CUDA_ARCH__ >= 800
+  unsigned fa[4], fb[2];
+  tc_frag_a(fa, a, m0, k0, g, t);
+  tc_frag_b(fb, b, n0, k0, g, t);
+  tc_mma_frags(c, fa, fb);
 #elif defined(STATECUT_EMULATED)
   tc_mma_emulated(c, a, m0, b, n0, k0, g, t);  // tests/kernels: the kernels run on the host
 #else
@@ -45,8 +67,29 @@ __device__ __forceinline__ void tc_mma(float c[4], const TcView &a, int m0, cons
 #endif
 }
 
-// The warp's tile in slot s of an M x N product (M % 16 == 0, N % 8 == 0), if it has one.
+// Whether an M x N product has four tiles a warp that pair up both ways, and if so the corner of
+// the warp's 32 x 16 block of them. Such a warp reads two fragments of A and two of B for its
+// four products a step of K, where a column of four tiles read four of A and one of B, and
+// tile by tile (each tile's sum over K before the next tile's) reloaded B for each.
+// The _tc kernels run 256 threads (chunk.rs), so that for products of constant shape the choice
+// is made at compile time.
+__device__ __forceinline__ bool tc_quad(int M, int N, int &m0, int &n0) {
+  const int w = threadIdx.x / 32, tm = M / 16, tn = N / 8;
+  if (tm * tn != 4 * TC_WARPS || tm % 2 != 0 || tn % 2 != 0) return false;
+  m0 = w / (tn / 2) * 32;
+  n0 = w % (tn / 2) * 16;
+  return true;
+}
+
+// The warp's tile in slot s of an M x N product (M % 16 == 0, N % 8 == 0), if it has one:
+// slot s of the warp's block where the product has them (tc_quad), else tile warp + warps s.
 __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
+  if (tc_quad(M, N, m0, n0)) {
+    if (s >= 4) return false;
+    m0 += s / 2 * 16;
+    n0 += s % 2 * 8;
+    return true;
+  }
   const int tile = threadIdx.x / 32 + (blockDim.x / 32) * s, tn = N / 8;
   if (tile >= (M / 16) * tn) return false;
   m0 = tile / tn * 16;
@@ -55,10 +98,34 @@ __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
 }
 
 // acc += A B over K (K % 8 == 0) on the warp's tiles; `lower` skips tiles wholly above the
-// diagonal, which stay as they are (zero for products that are causal).
-template <int S>
+// diagonal, which stay as they are (zero for products that are causal). Each tile sums over K
+// in the same order in either form; `Block` false keeps the tile-by-tile form, whose fewer live
+// fragments leave a kernel more blocks a multiprocessor.
+template <int S, bool Block = true>
 __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcView a, TcView b, bool lower) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#if __CUDA_ARCH__ >= 800
+  int q0, p0;
+  if (Block && S >= 4 && tc_quad(M, N, q0, p0)) {
+    // The block's tiles a step of K at a time, each fragment read once.
+    bool on[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) on[s] = !lower || p0 + s % 2 * 8 <= q0 + s / 2 * 16 + 15;
+    const bool top = on[0] || on[1], bottom = on[2] || on[3], left = on[0] || on[2], right = on[1] || on[3];
+#pragma unroll 1
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      unsigned fa[2][4], fb[2][2];
+      if (top) tc_frag_a(fa[0], a, q0, k0, g, t);
+      if (bottom) tc_frag_a(fa[1], a, q0 + 16, k0, g, t);
+      if (left) tc_frag_b(fb[0], b, p0, k0, g, t);
+      if (right) tc_frag_b(fb[1], b, p0 + 8, k0, g, t);
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        if (on[s]) tc_mma_frags(acc[s], fa[s / 2], fb[s % 2]);
+    }
+    return;
+  }
+#endif
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     int m0, n0;
@@ -136,6 +203,7 @@ __device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, 
 
 // acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
 // ldb), staged 32 columns at a time through ta and tb; a Gram matrix (B = A) stages A once.
+template <bool Block = true>
 __device__ void tc_lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
                                   float *tb, float acc[4][4]) {
   const bool gram = a == b && lda == ldb;
@@ -143,17 +211,18 @@ __device__ void tc_lower_products(const float *a, int lda, const float *b, int l
     tc_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
     if (!gram) tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
     __syncthreads();
-    tc_acc<4>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(gram ? ta : tb), true);
+    tc_acc<4, Block>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(gram ? ta : tb), true);
     __syncthreads();
   }
 }
 
 // P = scale (Q Kᵀ) ∘ D (zero above the diagonal and past c) into P [64, TC_P].
+template <bool Block = true>
 __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const float *gam, float *ta, float *tb,
                               float *P) {
   float acc[4][4];
   tc_zero<4>(acc);
-  tc_lower_products(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc);
+  tc_lower_products<Block>(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc);
   tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
     P[t * TC_P + j] = j <= t && t < c ? scale * x * __expf(gam[t] - gam[j]) : 0.0f;
   });
@@ -161,7 +230,7 @@ __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const
 
 // chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two tiles [64, TC_TP], γ and
 // scale·e^γ.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 6)
     chunk_out_fwd_tc(const float *qk, const float *walked, const float *gamma, float *out, long long blocks, int c,
                      int dk, int dv, float scale) {
   extern __shared__ float osm[];
@@ -175,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(256)
     qs[i] = scale * __expf(gam[i]);
   }
   __syncthreads();
-  tc_out_scores(q, c, dk, scale, gam, ta, tb, P);
+  tc_out_scores<false>(q, c, dk, scale, gam, ta, tb, P);  // six blocks a multiprocessor: see tc_acc
   __syncthreads();
   for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
     float acc[2][4];
