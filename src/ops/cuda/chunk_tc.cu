@@ -81,6 +81,18 @@ __device__ __forceinline__ bool tc_quad(int M, int N, int &m0, int &n0) {
   return true;
 }
 
+// Whether an M x N product has two tiles a warp in one column of tiles (tiles w and w + 8 of
+// tc_tile's order), and if so their rows and column: a step of K then reads B's fragment once
+// for both.
+__device__ __forceinline__ bool tc_pair(int M, int N, int &m0, int &m1, int &n0) {
+  const int w = threadIdx.x / 32, tm = M / 16, tn = N / 8;
+  if (tm * tn != 2 * TC_WARPS || TC_WARPS % tn != 0) return false;
+  m0 = w / tn * 16;
+  m1 = (w + TC_WARPS) / tn * 16;
+  n0 = w % tn * 8;
+  return true;
+}
+
 // The warp's tile in slot s of an M x N product (M % 16 == 0, N % 8 == 0), if it has one:
 // slot s of the warp's block where the product has them (tc_quad), else tile warp + warps s.
 __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
@@ -122,6 +134,20 @@ __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcV
 #pragma unroll
       for (int s = 0; s < 4; ++s)
         if (on[s]) tc_mma_frags(acc[s], fa[s / 2], fb[s % 2]);
+    }
+    return;
+  }
+  int q1;
+  if (Block && S >= 2 && tc_pair(M, N, q0, q1, p0)) {
+    const bool on0 = !lower || p0 <= q0 + 15, on1 = !lower || p0 <= q1 + 15;
+#pragma unroll 1
+    for (int k0 = 0; k0 < K; k0 += 8) {
+      unsigned fa[2][4], fb[2];
+      tc_frag_b(fb, b, p0, k0, g, t);
+      if (on0) tc_frag_a(fa[0], a, q0, k0, g, t);
+      if (on1) tc_frag_a(fa[1], a, q1, k0, g, t);
+      if (on0) tc_mma_frags(acc[0], fa[0], fb);
+      if (on1) tc_mma_frags(acc[1], fa[1], fb);
     }
     return;
   }
