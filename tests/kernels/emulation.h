@@ -53,6 +53,7 @@ namespace emu {
 struct Warp {
   std::barrier<> bar{32};
   float v[32];
+  unsigned fa[32][4], fb[32][2];  // each lane's mma fragments, for tc_mma_frags_emulated
 };
 inline std::unique_ptr<std::barrier<>> block;
 inline std::unique_ptr<Warp[]> warps;
@@ -115,4 +116,29 @@ inline void tc_mma_emulated(float c[4], const View &a, int m0, const View &b, in
     for (int k = k0; k < k0 + 8; ++k) s += emu::operand(a.at(row, k)) * emu::operand(b.at(k, col));
     c[i] = s;
   }
+}
+
+// c += A B for one m16n8k8 product from the warp's fragments, as mma.sync takes them: lane
+// 4g + t holds A's (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) and B's (t, g), (t + 4, g) (row,
+// column). Each lane's accumulators sum over k in tc_mma_emulated's order.
+inline void tc_mma_frags_emulated(float c[4], const unsigned a[4], const unsigned b[2]) {
+  const unsigned id = emu::linear_thread(), lane = id % 32;
+  emu::Warp &w = emu::warps[id / 32];
+  for (int i = 0; i < 4; ++i) w.fa[lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) w.fb[lane][i] = b[i];
+  w.bar.arrive_and_wait();
+  const auto bits = [](unsigned u) {
+    float x;
+    std::memcpy(&x, &u, 4);
+    return emu::operand(x);
+  };
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float s = c[i];
+    for (int k = 0; k < 8; ++k)
+      s += bits(w.fa[4 * (row % 8) + k % 4][row / 8 + 2 * (k / 4)]) * bits(w.fb[4 * col + k % 4][k / 4]);
+    c[i] = s;
+  }
+  w.bar.arrive_and_wait();
 }

@@ -46,9 +46,10 @@ __device__ __forceinline__ void tc_mma_frags(float c[4], const unsigned a[4], co
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(STATECUT_EMULATED)
+  tc_mma_frags_emulated(c, a, b);  // tests/kernels: the warp's fragments exchanged on the host
 #else
-  (void)c, (void)a, (void)b;
-  __trap();  // only the device forms call it
+  __trap();
 #endif
 }
 
@@ -116,7 +117,6 @@ __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
 template <int S, bool Block = true>
 __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcView a, TcView b, bool lower) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#if __CUDA_ARCH__ >= 800
   int q0, p0;
   if (Block && S >= 4 && tc_quad(M, N, q0, p0)) {
     // The block's tiles a step of K at a time, each fragment read once.
@@ -151,7 +151,6 @@ __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcV
     }
     return;
   }
-#endif
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     int m0, n0;
