@@ -10,11 +10,11 @@
 // as TF32 (10-bit mantissa, finer than the bf16 the model's inputs were), sums and state in
 // float32. The mma reads a float's top 19 bits, so the operands go in as they are, truncated:
 // rounding them first (cvt.rna) cost a conversion per element, 2-5% of the kernels' time. A
-// warp multiplies 16 x 8 tiles of an M x N product; its tiles are warp + 8 s for slot s < S,
-// accumulated in registers across calls (one call per staged slice of K). Operands are strided
-// views of shared memory, so a transpose is a choice of strides. Staged tiles use row stride
-// TC_TP (≡ 4 mod 32, so a warp's row-major fragment reads hit 32 distinct banks) and the [c, c]
-// matrices TC_P.
+// warp multiplies 16 x 8 tiles of an M x N product, S slots of them (tc_tile: a 32 x 16 block
+// where the product has four a warp, else tiles warp + 8 s), accumulated in registers across
+// calls (one call per staged slice of K). Operands are strided views of shared memory, so a
+// transpose is a choice of strides. Staged tiles use row stride TC_TP (≡ 4 mod 32, so a warp's
+// row-major fragment reads hit 32 distinct banks) and the [c, c] matrices TC_P.
 #define TC_TP 36
 #define TC_P 68
 #define TC_WARPS 8
