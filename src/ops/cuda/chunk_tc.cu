@@ -95,7 +95,7 @@ __device__ __forceinline__ bool tc_pair(int M, int N, int &m0, int &m1, int &n0)
 }
 
 // The warp's tile in slot s of an M x N product (M % 16 == 0, N % 8 == 0), if it has one:
-// slot s of the warp's block where the product has them (tc_quad), else tile warp + warps s.
+// slot s of the warp's block where the product has them (tc_quad), else tile warp + 8 s.
 __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
   if (tc_quad(M, N, m0, n0)) {
     if (s >= 4) return false;
@@ -103,11 +103,44 @@ __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
     n0 += s % 2 * 8;
     return true;
   }
-  const int tile = threadIdx.x / 32 + (blockDim.x / 32) * s, tn = N / 8;
+  const int tile = threadIdx.x / 32 + TC_WARPS * s, tn = N / 8;
   if (tile >= (M / 16) * tn) return false;
   m0 = tile / tn * 16;
   n0 = tile % tn * 8;
   return true;
+}
+
+// acc += A B over K for the warp's RM x RN tiles at rows m[i] and columns n[j] (slot i RN + j),
+// a step of K at a time, each fragment read once for the tiles that share it; `lower` skips
+// tiles wholly above the diagonal.
+template <int RM, int RN, int S>
+__device__ __forceinline__ void tc_acc_shared(float acc[S][4], const int (&m)[RM], const int (&n)[RN], int K,
+                                              const TcView &a, const TcView &b, bool lower) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  bool on[RM][RN], row[RM] = {}, col[RN] = {};
+#pragma unroll
+  for (int i = 0; i < RM; ++i)
+#pragma unroll
+    for (int j = 0; j < RN; ++j) {
+      on[i][j] = !lower || n[j] <= m[i] + 15;
+      row[i] = row[i] || on[i][j];
+      col[j] = col[j] || on[i][j];
+    }
+#pragma unroll 1
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    unsigned fa[RM][4], fb[RN][2];
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+      if (row[i]) tc_frag_a(fa[i], a, m[i], k0, g, t);
+#pragma unroll
+    for (int j = 0; j < RN; ++j)
+      if (col[j]) tc_frag_b(fb[j], b, n[j], k0, g, t);
+#pragma unroll
+    for (int i = 0; i < RM; ++i)
+#pragma unroll
+      for (int j = 0; j < RN; ++j)
+        if (on[i][j]) tc_mma_frags(acc[i * RN + j], fa[i], fb[j]);
+  }
 }
 
 // acc += A B over K (K % 8 == 0) on the warp's tiles; `lower` skips tiles wholly above the
@@ -116,41 +149,11 @@ __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
 // fragments leave a kernel more blocks a multiprocessor.
 template <int S, bool Block = true>
 __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcView a, TcView b, bool lower) {
+  int q0, q1, p0;
+  if (Block && S >= 4 && tc_quad(M, N, q0, p0))
+    return tc_acc_shared<2, 2, S>(acc, {q0, q0 + 16}, {p0, p0 + 8}, K, a, b, lower);
+  if (Block && S >= 2 && tc_pair(M, N, q0, q1, p0)) return tc_acc_shared<2, 1, S>(acc, {q0, q1}, {p0}, K, a, b, lower);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  int q0, p0;
-  if (Block && S >= 4 && tc_quad(M, N, q0, p0)) {
-    // The block's tiles a step of K at a time, each fragment read once.
-    bool on[4];
-#pragma unroll
-    for (int s = 0; s < 4; ++s) on[s] = !lower || p0 + s % 2 * 8 <= q0 + s / 2 * 16 + 15;
-    const bool top = on[0] || on[1], bottom = on[2] || on[3], left = on[0] || on[2], right = on[1] || on[3];
-#pragma unroll 1
-    for (int k0 = 0; k0 < K; k0 += 8) {
-      unsigned fa[2][4], fb[2][2];
-      if (top) tc_frag_a(fa[0], a, q0, k0, g, t);
-      if (bottom) tc_frag_a(fa[1], a, q0 + 16, k0, g, t);
-      if (left) tc_frag_b(fb[0], b, p0, k0, g, t);
-      if (right) tc_frag_b(fb[1], b, p0 + 8, k0, g, t);
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-        if (on[s]) tc_mma_frags(acc[s], fa[s / 2], fb[s % 2]);
-    }
-    return;
-  }
-  int q1;
-  if (Block && S >= 2 && tc_pair(M, N, q0, q1, p0)) {
-    const bool on0 = !lower || p0 <= q0 + 15, on1 = !lower || p0 <= q1 + 15;
-#pragma unroll 1
-    for (int k0 = 0; k0 < K; k0 += 8) {
-      unsigned fa[2][4], fb[2];
-      tc_frag_b(fb, b, p0, k0, g, t);
-      if (on0) tc_frag_a(fa[0], a, q0, k0, g, t);
-      if (on1) tc_frag_a(fa[1], a, q1, k0, g, t);
-      if (on0) tc_mma_frags(acc[0], fa[0], fb);
-      if (on1) tc_mma_frags(acc[1], fa[1], fb);
-    }
-    return;
-  }
 #pragma unroll
   for (int s = 0; s < S; ++s) {
     int m0, n0;
