@@ -262,11 +262,12 @@ pub fn chunk_walk_back(
 
 /// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
 /// four backward), one or two column tiles, and its per-token scalars (three, five). On tensor
-/// cores the strides are 68 and 36, with two tiles each way and three backward matrices.
+/// cores the strides are 68 and 36, with two tiles each way and three backward matrices, the
+/// backward's third in room for two more tiles.
 fn intra_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
     match (backward, tensor) {
-        (true, true) => 4 * (3 * sq + 2 * tile + 5 * 64),
+        (true, true) => 4 * (2 * sq + (2 * tile).max(sq) + 2 * tile + 5 * 64),
         (true, false) => 4 * (4 * sq + 2 * tile + 5 * 64),
         (false, _) => 4 * (2 * sq + (1 + usize::from(tensor)) * tile + 3 * 64),
     }
@@ -359,11 +360,11 @@ pub fn chunk_intra_back(
 
 /// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
 /// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36, with a
-/// second forward scalar.
+/// second forward scalar and a second pair of backward tiles.
 fn out_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
     let t = usize::from(tensor);
-    4 * if backward { 2 * sq + 2 * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
+    4 * if backward { 2 * sq + (2 + 2 * t) * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
 }
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).

@@ -223,6 +223,73 @@ __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, in
   chunk_stage(src, ld, width, col0, valid, rows, scale, tile, tp);
 }
 
+// Whether tc_stage_async copies a tile asynchronously: its rows are 16-byte aligned.
+__device__ __forceinline__ bool tc_async(const float *src, int ld, int width, int col0) {
+  return ((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0;
+}
+
+// tc_stage by 16-byte asynchronous copies (zero rows and columns as plain stores) where
+// tc_async, to be waited for (__pipeline_wait_prior) and, if scaled, landed (tc_land) before the
+// barrier that publishes the tile; otherwise tc_stage itself, done on return.
+__device__ __forceinline__ void tc_stage_async(const float *src, int ld, int width, int col0, int valid, int rows,
+                                               float *tile, const float *scale = nullptr) {
+  if (!tc_async(src, ld, width, col0)) return chunk_stage(src, ld, width, col0, valid, rows, scale, tile, TC_TP);
+  for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
+    const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
+    float *dst = tile + t * TC_TP + r;
+    if (t < valid && col0 + r < width)
+      __pipeline_memcpy_async(dst, src + (long long)t * ld + col0 + r, 16);
+    else
+      *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+// A scaled tc_stage_async's rows times their scale, once its copies have landed: each thread
+// scales the elements it copied, so no barrier comes between.
+__device__ __forceinline__ void tc_land(const float *src, int ld, int width, int col0, int valid, int rows,
+                                        float *tile, const float *scale) {
+  if (!scale || !tc_async(src, ld, width, col0)) return;
+  for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
+    const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
+    if (t < valid && col0 + r < width) {
+      float4 *x = reinterpret_cast<float4 *>(tile + t * TC_TP + r);
+      const float f = scale[t];
+      *x = make_float4(x->x * f, x->y * f, x->z * f, x->w * f);
+    }
+  }
+}
+
+// body(i, b) for i < n, after stage(i, b) has filled buffer b = i % 2 of its tiles (with
+// tc_stage_async), its copies have landed (land(i, b), for scaled tiles) and a barrier has
+// published them: step i + 1's copies are issued before step i's body, so that their loads
+// overlap its products, where staging in the loop left every warp waiting on them. A barrier
+// after each body keeps a buffer from being staged again while read.
+template <typename Stage, typename Land, typename Body>
+__device__ __forceinline__ void tc_pipeline(int n, Stage stage, Land land, Body body) {
+  if (n <= 0) return;
+  stage(0, 0);
+  __pipeline_commit();
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) {
+      stage(i + 1, (i + 1) & 1);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    land(i, i & 1);
+    __syncthreads();
+    body(i, i & 1);
+    __syncthreads();
+  }
+}
+
+// tc_pipeline of unscaled tiles.
+template <typename Stage, typename Body>
+__device__ __forceinline__ void tc_pipeline(int n, Stage stage, Body body) {
+  tc_pipeline(n, stage, [](int, int) {}, body);
+}
+
 // Row-major [rows, TC_TP] and [c, c] views, and their transposes.
 __device__ __forceinline__ TcView tc_rows(const float *p) { return TcView{p, TC_TP, 1}; }
 __device__ __forceinline__ TcView tc_cols(const float *p) { return TcView{p, 1, TC_TP}; }
@@ -231,10 +298,25 @@ __device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, 
 
 // acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
 // ldb), staged 32 columns at a time through ta and tb; a Gram matrix (B = A) stages A once.
+// Given second tiles ta1 (and tb1 unless a Gram matrix), the stages alternate between the pairs
+// and overlap the products (tc_pipeline).
 template <bool Block = true>
 __device__ void tc_lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
-                                  float *tb, float acc[4][4]) {
+                                  float *tb, float acc[4][4], float *ta1 = nullptr, float *tb1 = nullptr) {
   const bool gram = a == b && lda == ldb;
+  if (ta1 && (gram || tb1)) {
+    // Selected, not indexed: an indexed pair of pointers would live in local memory.
+    const auto tas = [&](int s) { return s ? ta1 : ta; };
+    const auto tbs = [&](int s) { return gram ? tas(s) : s ? tb1 : tb; };
+    tc_pipeline(
+        (width + INTRA_TW - 1) / INTRA_TW,
+        [&](int i, int s) {
+          tc_stage_async(a, lda, width, i * INTRA_TW, c, INTRA_C, tas(s));
+          if (!gram) tc_stage_async(b, ldb, width, i * INTRA_TW, c, INTRA_C, tbs(s));
+        },
+        [&](int, int s) { tc_acc<4, Block>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(s)), tc_cols(tbs(s)), true); });
+    return;
+  }
   for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
     tc_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
     if (!gram) tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
@@ -247,10 +329,10 @@ __device__ void tc_lower_products(const float *a, int lda, const float *b, int l
 // P = scale (Q Kᵀ) ∘ D (zero above the diagonal and past c) into P [64, TC_P].
 template <bool Block = true>
 __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const float *gam, float *ta, float *tb,
-                              float *P) {
+                              float *P, float *ta1 = nullptr, float *tb1 = nullptr) {
   float acc[4][4];
   tc_zero<4>(acc);
-  tc_lower_products<Block>(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc);
+  tc_lower_products<Block>(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc, ta1, tb1);
   tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
     P[t * TC_P + j] = j <= t && t < c ? scale * x * __expf(gam[t] - gam[j]) : 0.0f;
   });
@@ -295,17 +377,20 @@ extern "C" __global__ void __launch_bounds__(256, 6)
   }
 }
 
-// chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], two tiles [64,
-// TC_TP], γ, scale·e^γ and dγ. Until E ∘ D is made, its space holds Q̂ = diag(scale e^γ) Q's
-// first 64 key columns, so that dS's first 64 rows come from each tile of dO as it is staged
-// for E and dU (the rows past 64 stage their own tiles of Q̂ and dO).
+// chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], two pairs of tiles
+// [64, TC_TP] (the loops that stage unscaled tiles alternate between them: tc_pipeline), γ,
+// scale·e^γ and dγ. Until E ∘ D is made, its space holds Q̂ = diag(scale e^γ) Q's first 64 key
+// columns, so that dS's first 64 rows come from each tile of dO as it is staged for E and dU
+// (the rows past 64 stage their own tiles of Q̂ and dO).
 extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
                      float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL;
-  float *gam = tb + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
+  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL, *ta1 = tb + TL, *tb1 = ta1 + TL;
+  float *gam = tb1 + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
+  const auto tas = [&](int b) { return b ? ta1 : ta; };
+  const auto tbs = [&](int b) { return b ? tb1 : tb; };
   const long long blk = blockIdx.x;
   const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
   const float *go = grad + blk * c * dv;
@@ -318,32 +403,38 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     dg[i] = 0.0f;
   }
   __syncthreads();
-  tc_out_scores(q, c, dk, scale, gam, ta, tb, P);
+  tc_out_scores(q, c, dk, scale, gam, ta, tb, P, ta1, tb1);
   __syncthreads();
 
-  // E = dO Uᵀ, and on the way dU = Pᵀ dO and dS = Q̂ᵀ dO for the first 64 keys (Q̂ in ED).
-  tc_stage(q, 2 * dk, dk, 0, c, INTRA_C, qs, ED, TC_P);
-  tc_stage(q, 2 * dk, dk, INTRA_TW, c, INTRA_C, qs, ED + INTRA_TW, TC_P);
+  // E = dO Uᵀ, and on the way dU = Pᵀ dO and dS = Q̂ᵀ dO for the first 64 keys (Q̂ in ED, staged
+  // while the first tiles of dO and U are in flight).
   float e[4][4];
   tc_zero<4>(e);
-  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
-    tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, ta);
-    tc_stage(u, dv, dv, col0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    tc_acc<4>(e, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
-    float x[2][4];
-    tc_zero<2>(x);
-    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(ta), false);
-    tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
-      if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
-    });
-    tc_zero<2>(x);
-    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(ta), false);
-    tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int r, int col, float v, float w) {
-      if (r < dk) tc_store2(ds + (long long)r * dv, col0 + col, dv, v, w);
-    });
-    __syncthreads();
-  }
+  tc_pipeline(
+      (dv + INTRA_TW - 1) / INTRA_TW,
+      [&](int i, int b) {
+        tc_stage_async(go, dv, dv, i * INTRA_TW, c, INTRA_C, tas(b));
+        tc_stage_async(u, dv, dv, i * INTRA_TW, c, INTRA_C, tbs(b));
+        if (i == 0) {
+          tc_stage(q, 2 * dk, dk, 0, c, INTRA_C, qs, ED, TC_P);
+          tc_stage(q, 2 * dk, dk, INTRA_TW, c, INTRA_C, qs, ED + INTRA_TW, TC_P);
+        }
+      },
+      [&](int i, int b) {
+        const int col0 = i * INTRA_TW;
+        tc_acc<4>(e, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(b)), tc_cols(tbs(b)), true);
+        float x[2][4];
+        tc_zero<2>(x);
+        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(tas(b)), false);
+        tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
+          if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
+        });
+        tc_zero<2>(x);
+        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tas(b)), false);
+        tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int r, int col, float v, float w) {
+          if (r < dk) tc_store2(ds + (long long)r * dv, col0 + col, dv, v, w);
+        });
+      });
   // ED = E ∘ D; F = E ∘ P over P (strictly below the diagonal: the diagonal's terms cancel).
   // Each element is read and written by the thread that holds it.
   tc_each<4>(e, INTRA_C, INTRA_C, [&](int t, int j, float x) {
@@ -381,64 +472,73 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   for (int b0 = 0; b0 < dk; b0 += INTRA_C) {
     float x[4][4];
     tc_zero<4>(x);
-    for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
-      tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, ta);
-      tc_stage(S + (long long)b0 * dv, dv, dv, col0, dk - b0, INTRA_C, nullptr, tb);
-      __syncthreads();
-      tc_acc<4>(x, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), false);
-      __syncthreads();
-    }
+    tc_pipeline(
+        (dv + INTRA_TW - 1) / INTRA_TW,
+        [&](int i, int b) {
+          tc_stage_async(go, dv, dv, i * INTRA_TW, c, INTRA_C, tas(b));
+          tc_stage_async(S + (long long)b0 * dv, dv, dv, i * INTRA_TW, dk - b0, INTRA_C, tbs(b));
+        },
+        [&](int, int b) { tc_acc<4>(x, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(b)), tc_cols(tbs(b)), false); });
     tc_each<4>(x, INTRA_C, INTRA_C, [&](int t, int r, float v) { P[t * TC_P + r] = __expf(gam[t]) * v; });
-    for (int r0 = b0; r0 < dk && r0 < b0 + INTRA_C; r0 += INTRA_TW) {
-      const float *X = P + (r0 - b0);
-      tc_stage(q + dk, 2 * dk, dk, r0, c, INTRA_C, nullptr, ta);
-      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, nullptr, tb);
-      __syncthreads();
-      for (int t = warp; t < c; t += blockDim.x / 32) {
-        const float s = warp_sum(X[t * TC_P + lane] * tb[t * TC_TP + lane]);
-        if (lane == 0) dg[t] += scale * s;
-      }
-      float y[2][4], z[2][4];
-      tc_zero<2>(y);
-      tc_zero<2>(z);
-      tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ta), false);
-      tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tb), false);
-      tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
-        const float *xr = X + t * TC_P + r;
-        if (t < c) tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
-      });
-      tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
-        if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
-      });
-      __syncthreads();
-    }
+    tc_pipeline(
+        (min(dk, b0 + INTRA_C) - b0 + INTRA_TW - 1) / INTRA_TW,
+        [&](int i, int b) {
+          tc_stage_async(q + dk, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tas(b));
+          tc_stage_async(q, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tbs(b));
+        },
+        [&](int i, int b) {
+          const int r0 = b0 + i * INTRA_TW;
+          const float *X = P + (r0 - b0), *ka = tas(b), *qa = tbs(b);
+          for (int t = warp; t < c; t += blockDim.x / 32) {
+            const float s = warp_sum(X[t * TC_P + lane] * qa[t * TC_TP + lane]);
+            if (lane == 0) dg[t] += scale * s;
+          }
+          float y[2][4], z[2][4];
+          tc_zero<2>(y);
+          tc_zero<2>(z);
+          tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ka), false);
+          tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(qa), false);
+          tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+            const float *xr = X + t * TC_P + r;
+            if (t < c)
+              tc_store2(dqk + (long long)t * 2 * dk + r0, r, dk - r0, scale * (xr[0] + v), scale * (xr[1] + w));
+          });
+          tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
+            if (t < c) tc_store2(dqk + (long long)t * 2 * dk + dk + r0, r, dk - r0, scale * v, scale * w);
+          });
+        });
   }
   for (int i = tid; i < c; i += blockDim.x) dgo[i] = dg[i];
 }
 
-// out = T · diag(scale) src over every column, tile by tile (intra_apply on tensor cores).
+// out = T · diag(scale) src over every column, tile by tile (intra_apply on tensor cores), the
+// tiles alternating between tile and tile1 (tc_pipeline).
 __device__ void tc_intra_apply(const float *T, const float *src, int width, int c, const float *scale, float *tile,
-                               float *out) {
-  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
-    tc_stage(src, width, width, col0, c, INTRA_C, scale, tile);
-    __syncthreads();
-    float acc[2][4];
-    tc_zero<2>(acc);
-    tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(tile), false);
-    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
-      if (t < c) tc_store2(out + (long long)t * width, col0 + j, width, x, y);
-    });
-    __syncthreads();
-  }
+                               float *tile1, float *out) {
+  const auto tiles = [&](int b) { return b ? tile1 : tile; };
+  tc_pipeline(
+      (width + INTRA_TW - 1) / INTRA_TW,
+      [&](int i, int b) { tc_stage_async(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale); },
+      [&](int i, int b) { tc_land(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale); },
+      [&](int i, int b) {
+        const int col0 = i * INTRA_TW;
+        float acc[2][4];
+        tc_zero<2>(acc);
+        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(tiles(b)), false);
+        tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+          if (t < c) tc_store2(out + (long long)t * width, col0 + j, width, x, y);
+        });
+      });
 }
 
 // A = −β_t e^{γ_t − γ_j} (K Kᵀ)_tj below the diagonal into A [64, TC_P] (zero elsewhere); the
-// Gram matrix itself into G when given.
+// Gram matrix itself into G when given. K's tiles alternate between ta and ta1, which may be
+// A's or G's space (written after the last product).
 __device__ void tc_intra_system(const float *k, int c, int dk, const float *bet, const float *gam, float *ta,
-                                float *tb, float *A, float *G) {
+                                float *ta1, float *A, float *G) {
   float acc[4][4];
   tc_zero<4>(acc);
-  tc_lower_products(k, dk, k, dk, dk, c, ta, tb, acc);
+  tc_lower_products(k, dk, k, dk, dk, c, ta, nullptr, acc, ta1);
   tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
     if (G) G[t * TC_P + j] = x;
     A[t * TC_P + j] = j < t && t < c ? -bet[t] * __expf(gam[t] - gam[j]) * x : 0.0f;
@@ -462,26 +562,31 @@ extern "C" __global__ void __launch_bounds__(256)
     ys[i] = bet[i] * __expf(gam[i]);
   }
   __syncthreads();
-  tc_intra_system(kb, c, dk, bet, gam, ta, tb, A, nullptr);
+  tc_intra_system(kb, c, dk, bet, gam, ta, T, A, nullptr);
   __syncthreads();
   intra_invert(A, c, T, TC_P);
   __syncthreads();
-  tc_intra_apply(T, vb, dv, c, bet, ta, w_out + blk * c * dv);
-  tc_intra_apply(T, kb, dk, c, ys, ta, kc_out + blk * c * dk);
+  tc_intra_apply(T, vb, dv, c, bet, ta, tb, w_out + blk * c * dv);
+  tc_intra_apply(T, kb, dk, c, ys, ta, tb, kc_out + blk * c * dk);
 }
 
-// chunk_intra_bwd_f32 on tensor cores; shared memory T, D, M [64, TC_P], two tiles [64, TC_TP]
-// and five per-token scalars: 70 KB, so that three blocks fit a multiprocessor (four [64, TC_P]
-// matrices and three tiles took 96 KB, two blocks). A is made in D and inverted from there; the
-// Gram matrix G lives in M until its entries become dG there, each in the thread that reads it;
-// the two [64, 64] products between go through registers; X, the tiles' per-row results, takes
-// the first tile's place once the products that read it are done.
+// chunk_intra_bwd_f32 on tensor cores; shared memory T, M, D [64, TC_P] (D with room for two
+// tiles after it), two tiles [64, TC_TP] and five per-token scalars: 71 KB, so that three blocks
+// fit a multiprocessor (four [64, TC_P] matrices and three tiles took 96 KB, two blocks). A is
+// made in D and inverted from there; the Gram matrix G lives in M until its entries become dG
+// there, each in the thread that reads it; the two [64, 64] products between go through
+// registers. While D holds nothing (before A, between A's inverse and dT, after dA's sums), the
+// loops that stage tiles alternate between ta, tb and a second pair in D's space (tc_pipeline);
+// X, the tiles' per-row results, takes the current first tile's place once the products that
+// read it are done.
 extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad_w,
                        const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
   extern __shared__ float ism[];
   const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *T = ism, *D = T + SQ, *M = D + SQ, *G = M, *ta = M + SQ, *tb = ta + TL, *X = ta;
+  float *T = ism, *M = T + SQ, *G = M, *D = M + SQ, *ta = D + 2 * TL, *tb = ta + TL;
+  const auto tas = [&](int b) { return b ? D : ta; };
+  const auto tbs = [&](int b) { return b ? D + TL : tb; };
   float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
@@ -497,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     dgam[i] = 0.0f;
   }
   __syncthreads();
-  tc_intra_system(kb, c, dk, bet, gam, ta, tb, D, G);
+  tc_intra_system(kb, c, dk, bet, gam, ta, D, D, G);
   __syncthreads();
   intra_invert(D, c, T, TC_P);
   __syncthreads();
@@ -506,26 +611,30 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   float ax[4][4], ay[4][4];
   tc_zero<4>(ax);
   tc_zero<4>(ay);
-  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
-    tc_stage(gw, dv, dv, col0, c, INTRA_C, nullptr, ta);
-    tc_stage(vb, dv, dv, col0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    tc_acc<4>(ax, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(tb), true);
-    float x[2][4];
-    tc_zero<2>(x);
-    tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
-    __syncthreads();  // X takes ta's place
-    tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
-    __syncthreads();
-    for (int j = warp; j < c; j += warps) {
-      const float dx = X[j * TC_TP + lane];
-      if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
-      const float s = warp_sum(dx * tb[j * TC_TP + lane]);
-      if (lane == 0) dbet[j] += s;
-    }
-    __syncthreads();
-  }
-  tc_lower_products(gkc, dk, kb, dk, dk, c, ta, tb, ay);
+  tc_pipeline(
+      (dv + INTRA_TW - 1) / INTRA_TW,
+      [&](int i, int b) {
+        tc_stage_async(gw, dv, dv, i * INTRA_TW, c, INTRA_C, tas(b));
+        tc_stage_async(vb, dv, dv, i * INTRA_TW, c, INTRA_C, tbs(b));
+      },
+      [&](int i, int b) {
+        const int col0 = i * INTRA_TW;
+        float *X = tas(b);
+        tc_acc<4>(ax, INTRA_C, INTRA_C, INTRA_TW, tc_rows(X), tc_cols(tbs(b)), true);
+        float x[2][4];
+        tc_zero<2>(x);
+        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(X), false);
+        __syncthreads();  // X takes the first tile's place
+        tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
+        __syncthreads();
+        for (int j = warp; j < c; j += warps) {
+          const float dx = X[j * TC_TP + lane];
+          if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
+          const float s = warp_sum(dx * tbs(b)[j * TC_TP + lane]);
+          if (lane == 0) dbet[j] += s;
+        }
+      });
+  tc_lower_products(gkc, dk, kb, dk, dk, c, ta, tb, ay, D, D + TL);
   // ax and ay hold the same elements in the same threads.
   tc_each<4>(ax, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
   tc_each<4>(ay, INTRA_C, INTRA_C, [&](int t, int j, float y) {
@@ -577,33 +686,39 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   __syncthreads();
 
   // dK = dG K + dGᵀ K + diag(β e^γ) Tᵀ dKc, with k·dY into dβ and dγ (dY = Tᵀ dKc).
-  for (int col0 = 0; col0 < dk; col0 += INTRA_TW) {
-    tc_stage(gkc, dk, dk, col0, c, INTRA_C, nullptr, ta);
-    tc_stage(kb, dk, dk, col0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    float y[2][4], z[2][4];
-    tc_zero<2>(y);
-    tc_zero<2>(z);
-    tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(ta), false);
-    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(tb), false);
-    tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(tb), false);
-    __syncthreads();  // X takes ta's place
-    // y and z hold the same elements in the same threads.
-    tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
-    tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x, float y) {
-      const float *xr = X + j * TC_TP + r;
-      if (j < c) tc_store2(dk_out + (long long)j * dk + col0, r, dk - col0, ys[j] * xr[0] + x, ys[j] * xr[1] + y);
-    });
-    __syncthreads();
-    for (int j = warp; j < c; j += warps) {
-      const float s = warp_sum(X[j * TC_TP + lane] * tb[j * TC_TP + lane]);
-      if (lane == 0) {
-        dbet[j] += __expf(gam[j]) * s;
-        dgam[j] += ys[j] * s;
-      }
-    }
-    __syncthreads();
-  }
+  tc_pipeline(
+      (dk + INTRA_TW - 1) / INTRA_TW,
+      [&](int i, int b) {
+        tc_stage_async(gkc, dk, dk, i * INTRA_TW, c, INTRA_C, tas(b));
+        tc_stage_async(kb, dk, dk, i * INTRA_TW, c, INTRA_C, tbs(b));
+      },
+      [&](int i, int b) {
+        const int col0 = i * INTRA_TW;
+        float *X = tas(b);
+        const float *kt = tbs(b);
+        float y[2][4], z[2][4];
+        tc_zero<2>(y);
+        tc_zero<2>(z);
+        tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(X), false);
+        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(kt), false);
+        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(kt), false);
+        __syncthreads();  // X takes the first tile's place
+        // y and z hold the same elements in the same threads.
+        tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
+        tc_each_pair<2>(z, INTRA_C, INTRA_TW, [&](int j, int r, float x, float y) {
+          const float *xr = X + j * TC_TP + r;
+          if (j < c)
+            tc_store2(dk_out + (long long)j * dk + col0, r, dk - col0, ys[j] * xr[0] + x, ys[j] * xr[1] + y);
+        });
+        __syncthreads();
+        for (int j = warp; j < c; j += warps) {
+          const float s = warp_sum(X[j * TC_TP + lane] * kt[j * TC_TP + lane]);
+          if (lane == 0) {
+            dbet[j] += __expf(gam[j]) * s;
+            dgam[j] += ys[j] * s;
+          }
+        }
+      });
   for (int i = tid; i < c; i += blockDim.x) {
     db_out[i] = dbet[i];
     dg_out[i] = dgam[i];
