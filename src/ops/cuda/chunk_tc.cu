@@ -452,19 +452,25 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   __syncthreads();
 
   // dS = Q̂ᵀ dO for the keys past 64, by key tile and column tile (32 x 32: one tile a warp).
-  for (int r0 = 2 * INTRA_TW; r0 < dk; r0 += INTRA_TW)
-    for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
-      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, qs, ta);
-      tc_stage(go, dv, dv, col0, c, INTRA_C, nullptr, tb);
-      __syncthreads();
-      float x[1][4];
-      tc_zero<1>(x);
-      tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols(ta), tc_rows(tb), false);
-      tc_each_pair<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v, float w) {
-        if (r0 + r < dk) tc_store2(ds + (long long)(r0 + r) * dv, col0 + col, dv, v, w);
+  const int ncol = (dv + INTRA_TW - 1) / INTRA_TW;
+  const auto key0 = [&](int i) { return 2 * INTRA_TW + i / ncol * INTRA_TW; };
+  const auto col0 = [&](int i) { return i % ncol * INTRA_TW; };
+  tc_pipeline(
+      max(0, (dk - 2 * INTRA_TW + INTRA_TW - 1) / INTRA_TW) * ncol,
+      [&](int i, int b) {
+        tc_stage_async(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs);
+        tc_stage_async(go, dv, dv, col0(i), c, INTRA_C, tbs(b));
+      },
+      [&](int i, int b) { tc_land(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs); },
+      [&](int i, int b) {
+        const int r0 = key0(i), c0 = col0(i);
+        float x[1][4];
+        tc_zero<1>(x);
+        tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols(tas(b)), tc_rows(tbs(b)), false);
+        tc_each_pair<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v, float w) {
+          if (r0 + r < dk) tc_store2(ds + (long long)(r0 + r) * dv, c0 + col, dv, v, w);
+        });
       });
-      __syncthreads();
-    }
 
   // By blocks of 64 keys: X = diag(e^γ) dO Sᵀ over every column tile of dO, into P's space (free
   // since dγ took F's sums); then by key tile, dQ̃ = X + ED K, dK = EDᵀ Q̃, and e^γ q̃·(dO Sᵀ) into
