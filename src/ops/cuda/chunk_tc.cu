@@ -201,11 +201,16 @@ __device__ __forceinline__ void tc_store2(float *row, int col, int width, float 
   }
 }
 
-// chunk_stage at row stride tp (TC_TP unless given), four columns a load where the rows are
-// 16-byte aligned.
+// Whether a tile's rows are 16-byte aligned, so that it is staged four columns a load (tc_stage)
+// or by 16-byte asynchronous copies (tc_stage_async).
+__device__ __forceinline__ bool tc_async(const float *src, int ld, int width, int col0) {
+  return ((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0;
+}
+
+// chunk_stage at row stride tp (TC_TP unless given), four columns a load where tc_async.
 __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, int col0, int valid, int rows,
                                          const float *scale, float *tile, int tp = TC_TP) {
-  if (((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0) {
+  if (tc_async(src, ld, width, col0)) {
     for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
       const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
       float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -221,11 +226,6 @@ __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, in
     return;
   }
   chunk_stage(src, ld, width, col0, valid, rows, scale, tile, tp);
-}
-
-// Whether tc_stage_async copies a tile asynchronously: its rows are 16-byte aligned.
-__device__ __forceinline__ bool tc_async(const float *src, int ld, int width, int col0) {
-  return ((ld | width | col0) & 3) == 0 && ((uintptr_t)src & 15) == 0;
 }
 
 // tc_stage by 16-byte asynchronous copies (zero rows and columns as plain stores) where
