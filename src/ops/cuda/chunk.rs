@@ -360,11 +360,12 @@ pub fn chunk_intra_back(
 
 /// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
 /// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36, with a
-/// second forward scalar and a second pair of backward tiles.
+/// second forward scalar and a second pair of tiles.
 fn out_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
     let t = usize::from(tensor);
-    4 * if backward { 2 * sq + (2 + 2 * t) * tile + 3 * 64 } else { sq + 2 * tile + (1 + t) * 64 }
+    let tiles = (2 + 2 * t) * tile;
+    4 * if backward { 2 * sq + tiles + 3 * 64 } else { sq + tiles + (1 + t) * 64 }
 }
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).

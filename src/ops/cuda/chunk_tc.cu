@@ -338,14 +338,20 @@ __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const
   });
 }
 
-// chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two tiles [64, TC_TP], γ and
-// scale·e^γ.
-extern "C" __global__ void __launch_bounds__(256, 6)
+// chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two pairs of tiles [64, TC_TP],
+// γ and scale·e^γ. Every tile goes through one tc_pipeline: for each column tile of the output,
+// a step per key tile (Q̂ = diag(scale e^γ) Q's columns and S's rows there), then one for U's
+// columns, whose step multiplies by P and stores the tile. Four blocks a multiprocessor: with
+// one pair of tiles and synchronous stages it held six, and its warps waited on every stage.
+extern "C" __global__ void __launch_bounds__(256, 4)
     chunk_out_fwd_tc(const float *qk, const float *walked, const float *gamma, float *out, long long blocks, int c,
                      int dk, int dv, float scale) {
   extern __shared__ float osm[];
-  float *P = osm, *ta = P + INTRA_C * TC_P, *tb = ta + INTRA_C * TC_TP, *gam = tb + INTRA_C * TC_TP;
-  float *qs = gam + INTRA_C;
+  const int TL = INTRA_C * TC_TP;
+  float *P = osm, *ta = P + INTRA_C * TC_P, *tb = ta + TL, *ta1 = tb + TL, *tb1 = ta1 + TL;
+  float *gam = tb1 + TL, *qs = gam + INTRA_C;
+  const auto tas = [&](int b) { return b ? ta1 : ta; };
+  const auto tbs = [&](int b) { return b ? tb1 : tb; };
   const long long blk = blockIdx.x;
   const float *q = qk + blk * c * 2 * dk, *u = walked + blk * c * dv, *S = walked + blocks * c * dv + blk * dk * dv;
   float *o = out + blk * c * dv;
@@ -354,27 +360,41 @@ extern "C" __global__ void __launch_bounds__(256, 6)
     qs[i] = scale * __expf(gam[i]);
   }
   __syncthreads();
-  tc_out_scores<false>(q, c, dk, scale, gam, ta, tb, P);  // six blocks a multiprocessor: see tc_acc
+  tc_out_scores(q, c, dk, scale, gam, ta, tb, P, ta1, tb1);
   __syncthreads();
-  for (int col0 = 0; col0 < dv; col0 += INTRA_TW) {
-    float acc[2][4];
-    tc_zero<2>(acc);
-    // diag(scale e^γ) Q S over key tiles: ta holds Q's columns r0.., tb rows r0.. of S.
-    for (int r0 = 0; r0 < dk; r0 += INTRA_TW) {
-      tc_stage(q, 2 * dk, dk, r0, c, INTRA_C, qs, ta);
-      tc_stage(S + (long long)r0 * dv, dv, dv, col0, dk - r0, INTRA_TW, nullptr, tb);
-      __syncthreads();
-      tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(ta), tc_rows(tb), false);
-      __syncthreads();
-    }
-    tc_stage(u, dv, dv, col0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tb), false);
-    tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
-      if (t < c) tc_store2(o + (long long)t * dv, col0 + j, dv, x, y);
-    });
-    __syncthreads();
-  }
+  // Step i: column tile i / (nk + 1); key tile i % (nk + 1), or U's tile where that is nk.
+  const int nk = (dk + INTRA_TW - 1) / INTRA_TW, per = nk + 1;
+  const auto col0 = [&](int i) { return i / per * INTRA_TW; };
+  const auto key0 = [&](int i) { return i % per * INTRA_TW; };
+  float acc[2][4];
+  tc_zero<2>(acc);
+  tc_pipeline(
+      (dv + INTRA_TW - 1) / INTRA_TW * per,
+      [&](int i, int b) {
+        const int r0 = key0(i);
+        if (r0 < dk) {
+          tc_stage_async(q, 2 * dk, dk, r0, c, INTRA_C, tas(b), qs);
+          tc_stage_async(S + (long long)r0 * dv, dv, dv, col0(i), dk - r0, INTRA_TW, tbs(b));
+        } else {
+          tc_stage_async(u, dv, dv, col0(i), c, INTRA_C, tbs(b));
+        }
+      },
+      [&](int i, int b) {
+        if (key0(i) < dk) tc_land(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs);
+      },
+      [&](int i, int b) {
+        if (key0(i) < dk) {
+          // diag(scale e^γ) Q S over key tiles
+          tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(tas(b)), tc_rows(tbs(b)), false);
+          return;
+        }
+        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tbs(b)), false);
+        const int c0 = col0(i);
+        tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
+          if (t < c) tc_store2(o + (long long)t * dv, c0 + j, dv, x, y);
+        });
+        tc_zero<2>(acc);
+      });
 }
 
 // chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], two pairs of tiles
