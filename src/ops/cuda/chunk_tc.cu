@@ -756,9 +756,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 // banks), a chunk's raw keys KK [64, kks] with Kc | K at columns 0 | koff and rows past c zero,
 // and its key scales e [64]. Kend = diag(e) K is never formed: e scales U's rows instead (Kendᵀ U
 // = Kᵀ diag(e) U) and the backward's Kend G. So the keys are plain copies, issued as 16-byte
-// asynchronous copies a chunk ahead, half by half (tc_walk_half), and each product's epilogue
-// operands are loaded before its products run. Needs dk % 16 == 0 (the state's rows are the
-// product's 16-row tiles).
+// asynchronous copies all at once, and each product's epilogue operands are loaded before its
+// products run. Needs dk % 16 == 0 (the state's rows are the product's 16-row tiles).
 #define TC_SW 40
 
 // v[s][i] = f(row, col) at the positions tc_each visits: an epilogue's operands, loaded before
@@ -791,44 +790,38 @@ __device__ __forceinline__ void tc_each_with(float acc[S][4], float v[S][4], int
   }
 }
 
-// One of the two halves of chunk `blk`'s keys in KK (x's rows at columns koff..koff+dk; none
-// when x is null) and, given e, its key scales into es (rows c..rows zero): 16-byte (the scales
-// 4-byte) asynchronous copies committed as one group when `vec` (every key row 16-byte aligned),
-// for the caller to wait for (__pipeline_wait_prior) and publish with a barrier; plain copies
-// otherwise. Each product of a walk step reads one half, so the half the first product reads is
-// issued for the next chunk as soon as that product is done, and the other half at the top of
-// the step, each landing while the products in between run.
-__device__ __forceinline__ void tc_walk_half(const float *x, const float *e, float *KK, float *es, int koff,
-                                             long long blk, int c, int rows, int dk, int kks, bool vec) {
-  if (x) {
-    const float *xs = x + blk * c * dk;
-    if (vec) {
-      const int q = dk / 4;
-      for (int i = threadIdx.x; i < rows * q; i += blockDim.x) {
-        const int t = i / q, r = (i % q) * 4;
-        float *dst = KK + t * kks + koff + r;
-        if (t < c)
-          __pipeline_memcpy_async(dst, xs + (long long)t * dk + r, 16);
-        else
-          *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    } else {
-      for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
-        const int t = i / dk, r = i % dk;
-        KK[t * kks + koff + r] = t < c ? xs[i] : 0.0f;
+// Chunk `blk`'s keys into KK and its key scales into es_out (rows c..rows zero), then wait for
+// them and synchronise. `vec`: every key row is 16-byte aligned (dk % 4 == 0 and aligned bases).
+__device__ __forceinline__ void tc_walk_stage(const float *kc, const float *k, const float *e, float *KK,
+                                              float *es_out, long long blk, int c, int rows, int dk, int delta,
+                                              int kks, bool vec) {
+  const int koff = delta ? dk : 0;
+  const float *kcs = kc + blk * c * dk, *ks = k + blk * c * dk, *es = e + blk * c;
+  if (vec) {
+    const int q = dk / 4;
+    for (int i = threadIdx.x; i < rows * q; i += blockDim.x) {
+      const int t = i / q, r = (i % q) * 4;
+      float *dst = KK + t * kks + r;
+      if (t < c) {
+        if (delta) __pipeline_memcpy_async(dst, kcs + (long long)t * dk + r, 16);
+        __pipeline_memcpy_async(dst + koff, ks + (long long)t * dk + r, 16);
+      } else {
+        if (delta) *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        *reinterpret_cast<float4 *>(dst + koff) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
-  }
-  if (e) {
-    const float *es_in = e + blk * c;
-    for (int t = threadIdx.x; t < INTRA_C; t += blockDim.x) {
-      if (t < c && vec)
-        __pipeline_memcpy_async(es + t, es_in + t, 4);
-      else
-        es[t] = t < c ? es_in[t] : 0.0f;
+    __pipeline_commit();
+  } else {
+    for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
+      const int t = i / dk, r = i % dk;
+      const bool in = t < c;
+      if (delta) KK[t * kks + r] = in ? kcs[i] : 0.0f;
+      KK[t * kks + koff + r] = in ? ks[i] : 0.0f;
     }
   }
-  if (vec) __pipeline_commit();
+  for (int t = threadIdx.x; t < INTRA_C; t += blockDim.x) es_out[t] = t < c ? es[t] : 0.0f;
+  if (vec) __pipeline_wait_prior(0);
+  __syncthreads();
 }
 
 // Whether the walk's key rows can be copied 16 bytes at a time.
@@ -860,19 +853,14 @@ __device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const fl
     const int r = i / WALK_TV, j = i % WALK_TV;
     S[r * TC_SW + j] = col0 + j < dv ? s0[((long long)h * dk + r) * dv + col0 + j] : 0.0f;
   }
-  // The first product reads Kc and the scales (none without the delta rule), the second K.
-  const float *first = delta ? kc : nullptr;
-  tc_walk_half(first, e, KK, es, 0, h, c, cm, dk, kks, vec);
   for (int i = 0; i < n; ++i) {
     const long long blk = (long long)i * bh + h;
     const float *wi = w + blk * c * dv, *ai = a + blk * dk;
-    tc_walk_half(k, nullptr, KK, es, koff, blk, c, cm, dk, kks, vec);
     float wv[2][4];
     tc_fill<2>(wv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? wi[(long long)t * dv + col0 + j] : 0.0f;
     });
-    if (vec) __pipeline_wait_prior(1);  // the first half
-    __syncthreads();
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
     tc_walk_out(S, dk, states + blk * dk * dv, dv, col0);
     // U = W − Kc S, kept as diag(e) U for the state's update
     float acc[2][4];
@@ -886,9 +874,7 @@ __device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const fl
     });
     float av[SS][4];
     tc_fill<SS>(av, dk, WALK_TV, [&](int r, int) { return ai[r]; });
-    if (vec) __pipeline_wait_prior(0);  // the second half
     __syncthreads();
-    if (i + 1 < n) tc_walk_half(first, e, KK, es, 0, blk + bh, c, cm, dk, kks, vec);
     // S ← diag(a) S + Kᵀ diag(e) U (each element read and written by the thread that holds it)
     float sacc[SS][4];
     tc_zero<SS>(sacc);
@@ -921,14 +907,10 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     const int r = i / WALK_TV, j = i % WALK_TV;
     G[r * TC_SW + j] = col0 + j < dv ? gs[(((long long)n * bh + h) * dk + r) * dv + col0 + j] : 0.0f;
   }
-  // The first product reads K and the scales, the second Kc (none without the delta rule).
-  const float *second = delta ? kc : nullptr;
-  tc_walk_half(k, e, KK, es, koff, (long long)(n - 1) * bh + h, c, cm, dk, kks, vec);
   for (int i = n - 1; i >= 0; --i) {
     const long long blk = (long long)i * bh + h;
     const float *gui = gu + blk * c * dv, *ai = a + blk * dk, *gsi = gs + blk * dk * dv;
     const float *ui = ures + blk * c * dv, *si = sres + blk * dk * dv;
-    tc_walk_half(second, nullptr, KK, es, 0, blk, c, cm, dk, kks, vec);
     float gv[2][4], uv[2][4];
     tc_fill<2>(gv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? gui[(long long)t * dv + col0 + j] : 0.0f;
@@ -936,8 +918,7 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     tc_fill<2>(uv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? ui[(long long)t * dv + col0 + j] : 0.0f;
     });
-    if (vec) __pipeline_wait_prior(1);  // the first half
-    __syncthreads();
+    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
     // dU = gU + diag(e) K G
     float acc[2][4];
     tc_zero<2>(acc);
@@ -971,9 +952,7 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     tc_fill<SS>(keep, dk, WALK_TV, [&](int r, int j) {
       return ai[r] * G[r * TC_SW + j] + (col0 + j < dv ? gsi[(long long)r * dv + col0 + j] : 0.0f);
     });
-    if (vec) __pipeline_wait_prior(0);  // the second half
     __syncthreads();
-    if (i > 0) tc_walk_half(k, e, KK, es, koff, blk - bh, c, cm, dk, kks, vec);
     for (int t = threadIdx.x; t < c; t += blockDim.x)
       de_part[(part0 + blk) * c + t] = red[t * 4] + red[t * 4 + 1] + red[t * 4 + 2] + red[t * 4 + 3];
     tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
