@@ -4,7 +4,7 @@
 //!
 //!   recurrence [--shape B,T,H,DK,DV] [--decay none|head|channel] [--rule delta|plain]
 //!              [--dtype bf16|f32] [--device cuda|cpu] [--iterations N] [--forms LIST]
-//!              [--grad sum|seed]
+//!              [--grad sum|seed] [--checksum]
 //!
 //! Keys are L2-normalised and β ∈ (0, 1) before the clock starts, as a model's mixer feeds them;
 //! the time is the recurrence's, from its inputs to its output (and back to their gradients),
@@ -16,9 +16,16 @@
 //! The forward + backward line also gives `graph_mib`: the memory the output and its graph hold
 //! between the forward and the backward, what a trained layer keeps for its backward. On CUDA it
 //! is read from statecut's memory pool, on the CPU from this program's heap.
+//!
+//! `--checksum` draws the inputs from a seeded generator on the host and adds `checksum` to each
+//! line: a hash of the bits of the output and of every input's gradient in the untimed run, so
+//! that two builds run on one device can be compared bit for bit (the host emulation of the
+//! chunk kernels, `scripts/kernels_bit_identity.sh`, cannot see how the device compiler fuses
+//! multiply-adds).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -81,6 +88,7 @@ struct Opts {
     iterations: usize,
     forms: Vec<String>,
     seed: bool,
+    checksum: bool,
 }
 
 fn opts() -> Result<Opts> {
@@ -93,6 +101,7 @@ fn opts() -> Result<Opts> {
         iterations: 5,
         forms: ["chunked-kernels", "chunked", "fused"].map(String::from).to_vec(),
         seed: false,
+        checksum: false,
     };
     let mut device = "cuda".to_string();
     let mut args = std::env::args().skip(1);
@@ -132,6 +141,7 @@ fn opts() -> Result<Opts> {
                     g => bail!("--grad {g}: sum or seed"),
                 }
             }
+            "--checksum" => o.checksum = true,
             "--help" | "-h" => {
                 println!("{}", include_str!("recurrence.rs").lines().take(13).collect::<Vec<_>>().join("\n"));
                 std::process::exit(0);
@@ -157,6 +167,20 @@ fn kernel(form: &str) -> Result<Kernel> {
     })
 }
 
+/// FNV-1a over the float32 bits of every element of each tensor, in order (bf16 and f16 widen
+/// exactly), as 16 hex digits.
+fn checksum(ts: &[Tensor]) -> Result<String> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in ts {
+        for x in t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()? {
+            for b in x.to_bits().to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+    }
+    Ok(format!("{h:016x}"))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -166,7 +190,23 @@ fn main() -> Result<()> {
     let o = opts()?;
     let [b, t, h, dk, dv] = o.shape;
     let dev = &o.device;
-    let rand = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, dev);
+    // Seeded on the host for --checksum: the CPU's generator cannot be seeded, and the same
+    // inputs must reach every build.
+    let host_rng = std::cell::RefCell::new(StdRng::seed_from_u64(0x5eed));
+    let rand = |shape: &[usize]| -> candle_core::Result<Tensor> {
+        if !o.checksum {
+            return Tensor::randn(0f32, 1f32, shape, dev);
+        }
+        let n = shape.iter().product();
+        let mut rng = host_rng.borrow_mut();
+        // Box-Muller: a standard normal from two uniforms in (0, 1].
+        let mut normal = || {
+            let (u, v): (f64, f64) = (1.0 - rng.random::<f64>(), rng.random());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        };
+        let v: Vec<f32> = (0..n).map(|_| normal()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)?.to_device(dev)
+    };
     let k = rand(&[b, t, h, dk])?;
     let k = k.broadcast_div(&k.sqr()?.sum_keepdim(3)?.sqrt()?)?;
     let q = rand(&[b, t, h, dk])?;
@@ -191,6 +231,7 @@ fn main() -> Result<()> {
             let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;
             // What the output and its graph held before the backward, in the untimed run.
             let held = std::cell::Cell::new(None);
+            let sum = std::cell::RefCell::new(None);
             let run = || -> Result<()> {
                 let before = in_use(dev);
                 let x: Vec<Tensor> =
@@ -219,6 +260,13 @@ fn main() -> Result<()> {
                     };
                     // The gradients are computed once they exist; reading one keeps them alive.
                     grads.get(vars[0].as_tensor()).context("no gradient reached q")?;
+                    if o.checksum && sum.borrow().is_none() {
+                        let mut all = vec![out.clone()];
+                        all.extend(vars.iter().filter_map(|v| grads.get(v.as_tensor()).cloned()));
+                        *sum.borrow_mut() = Some(checksum(&all)?);
+                    }
+                } else if o.checksum && sum.borrow().is_none() {
+                    *sum.borrow_mut() = Some(checksum(std::slice::from_ref(&out))?);
                 }
                 dev.synchronize()?;
                 Ok(())
@@ -237,6 +285,7 @@ fn main() -> Result<()> {
                 "rule": format!("{:?}", o.rule).to_lowercase(), "dtype": format!("{:?}", o.dtype).to_lowercase(),
                 "grad": if o.seed { "seed" } else { "sum" },
                 "graph_mib": held.get().map(|b| b as f64 / (1 << 20) as f64),
+                "checksum": sum.borrow().clone(),
             });
             println!("{line}");
         }
