@@ -145,14 +145,13 @@ __device__ __forceinline__ void tc_acc_shared(float acc[S][4], const int (&m)[RM
 
 // acc += A B over K (K % 8 == 0) on the warp's tiles; `lower` skips tiles wholly above the
 // diagonal, which stay as they are (zero for products that are causal). Each tile sums over K
-// in the same order in either form; `Block` false keeps the tile-by-tile form, whose fewer live
-// fragments leave a kernel more blocks a multiprocessor.
-template <int S, bool Block = true>
+// in the same order whether its warp's tiles share fragments (a block or a pair) or not.
+template <int S>
 __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcView a, TcView b, bool lower) {
   int q0, q1, p0;
-  if (Block && S >= 4 && tc_quad(M, N, q0, p0))
+  if (S >= 4 && tc_quad(M, N, q0, p0))
     return tc_acc_shared<2, 2, S>(acc, {q0, q0 + 16}, {p0, p0 + 8}, K, a, b, lower);
-  if (Block && S >= 2 && tc_pair(M, N, q0, q1, p0)) return tc_acc_shared<2, 1, S>(acc, {q0, q1}, {p0}, K, a, b, lower);
+  if (S >= 2 && tc_pair(M, N, q0, q1, p0)) return tc_acc_shared<2, 1, S>(acc, {q0, q1}, {p0}, K, a, b, lower);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int s = 0; s < S; ++s) {
@@ -297,42 +296,31 @@ __device__ __forceinline__ TcView tc_sq(const float *p) { return TcView{p, TC_P,
 __device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, TC_P}; }
 
 // acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
-// ldb), staged 32 columns at a time through ta and tb; a Gram matrix (B = A) stages A once.
-// Given second tiles ta1 (and tb1 unless a Gram matrix), the stages alternate between the pairs
-// and overlap the products (tc_pipeline).
-template <bool Block = true>
+// ldb), staged 32 columns at a time through the pairs ta, tb and ta1, tb1 in turn, the stages
+// overlapping the products (tc_pipeline); a Gram matrix (B = A) stages A once, through ta and
+// ta1 (tb and tb1 unused).
 __device__ void tc_lower_products(const float *a, int lda, const float *b, int ldb, int width, int c, float *ta,
-                                  float *tb, float acc[4][4], float *ta1 = nullptr, float *tb1 = nullptr) {
+                                  float *tb, float acc[4][4], float *ta1, float *tb1 = nullptr) {
   const bool gram = a == b && lda == ldb;
-  if (ta1 && (gram || tb1)) {
-    // Selected, not indexed: an indexed pair of pointers would live in local memory.
-    const auto tas = [&](int s) { return s ? ta1 : ta; };
-    const auto tbs = [&](int s) { return gram ? tas(s) : s ? tb1 : tb; };
-    tc_pipeline(
-        (width + INTRA_TW - 1) / INTRA_TW,
-        [&](int i, int s) {
-          tc_stage_async(a, lda, width, i * INTRA_TW, c, INTRA_C, tas(s));
-          if (!gram) tc_stage_async(b, ldb, width, i * INTRA_TW, c, INTRA_C, tbs(s));
-        },
-        [&](int, int s) { tc_acc<4, Block>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(s)), tc_cols(tbs(s)), true); });
-    return;
-  }
-  for (int col0 = 0; col0 < width; col0 += INTRA_TW) {
-    tc_stage(a, lda, width, col0, c, INTRA_C, nullptr, ta);
-    if (!gram) tc_stage(b, ldb, width, col0, c, INTRA_C, nullptr, tb);
-    __syncthreads();
-    tc_acc<4, Block>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(ta), tc_cols(gram ? ta : tb), true);
-    __syncthreads();
-  }
+  // Selected, not indexed: an indexed pair of pointers would live in local memory.
+  const auto tas = [&](int s) { return s ? ta1 : ta; };
+  const auto tbs = [&](int s) { return gram ? tas(s) : s ? tb1 : tb; };
+  tc_pipeline(
+      (width + INTRA_TW - 1) / INTRA_TW,
+      [&](int i, int s) {
+        tc_stage_async(a, lda, width, i * INTRA_TW, c, INTRA_C, tas(s));
+        if (!gram) tc_stage_async(b, ldb, width, i * INTRA_TW, c, INTRA_C, tbs(s));
+      },
+      [&](int, int s) { tc_acc<4>(acc, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(s)), tc_cols(tbs(s)), true); });
 }
 
-// P = scale (Q Kᵀ) ∘ D (zero above the diagonal and past c) into P [64, TC_P].
-template <bool Block = true>
+// P = scale (Q Kᵀ) ∘ D (zero above the diagonal and past c) into P [64, TC_P], staged through
+// the pairs ta, tb and ta1, tb1.
 __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const float *gam, float *ta, float *tb,
-                              float *P, float *ta1 = nullptr, float *tb1 = nullptr) {
+                              float *P, float *ta1, float *tb1) {
   float acc[4][4];
   tc_zero<4>(acc);
-  tc_lower_products<Block>(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc, ta1, tb1);
+  tc_lower_products(qk, 2 * dk, qk + dk, 2 * dk, dk, c, ta, tb, acc, ta1, tb1);
   tc_each<4>(acc, INTRA_C, INTRA_C, [&](int t, int j, float x) {
     P[t * TC_P + j] = j <= t && t < c ? scale * x * __expf(gam[t] - gam[j]) : 0.0f;
   });
