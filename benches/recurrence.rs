@@ -248,26 +248,29 @@ fn main() -> Result<()> {
                     initial: None,
                 };
                 let out = Kernel::scoped(kernel, || rec.forward())?;
+                let mut grads = None;
                 if backward {
                     if held.get().is_none() {
                         held.set(before.zip(in_use(dev)).map(|(a, b)| b.saturating_sub(a)));
                     }
-                    let grads = match o.seed {
+                    let g = match o.seed {
                         true => statecut::ops::seed_gradient(&out, &w_seed)?.backward()?,
                         // Summed by rows first: candle's whole-tensor sum runs in one block, which
                         // would time the loss (6 ms at 16 x 2048 x 16 x 128) rather than the rule.
                         false => (out.to_dtype(DType::F32)? * &w)?.sum(3)?.sum_all()?.backward()?,
                     };
                     // The gradients are computed once they exist; reading one keeps them alive.
-                    grads.get(vars[0].as_tensor()).context("no gradient reached q")?;
-                    if o.checksum && sum.borrow().is_none() {
-                        let mut all = vec![out.clone()];
-                        all.extend(vars.iter().filter_map(|v| grads.get(v.as_tensor()).cloned()));
-                        *sum.borrow_mut() = Some(checksum(&all)?);
-                    }
-                } else if o.checksum && sum.borrow().is_none() {
-                    *sum.borrow_mut() = Some(checksum(std::slice::from_ref(&out))?);
+                    g.get(vars[0].as_tensor()).context("no gradient reached q")?;
+                    grads = Some(g);
                 }
+                if o.checksum && sum.borrow().is_none() {
+                    let mut all = vec![out.clone()];
+                    if let Some(g) = &grads {
+                        all.extend(vars.iter().filter_map(|v| g.get(v.as_tensor()).cloned()));
+                    }
+                    *sum.borrow_mut() = Some(checksum(&all)?);
+                }
+                drop(grads);
                 dev.synchronize()?;
                 Ok(())
             };
