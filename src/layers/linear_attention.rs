@@ -321,19 +321,19 @@ impl LinearAttention {
         let (hq, hk, hv, scale) = self.heads();
         let c = crate::ops::chunked::chunk_len(x.dim(1)?);
         let operands = self.conv.as_ref().map(|conv| conv.grad_operands(&p.qkv)).transpose()?.flatten();
-        let (qk, keys, v) = {
+        // Linked to the recurrence, their one reader (see `ops::link`).
+        let qkv = {
+            use crate::ops::prep::{conv_heads_qk_linked, heads_qk_linked};
             let _s = crate::profile::span("short conv + heads in chunks", x.device());
             match (operands, &self.conv) {
-                (Some((w, bias)), _) => crate::ops::prep::conv_heads_qk_chunks(&p.qkv, &w, &bias, hq, hk, hv, c)?,
-                (None, Some(conv)) => {
-                    crate::ops::prep::heads_qk_chunks(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?
-                }
-                (None, None) => crate::ops::prep::heads_qk_chunks(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
+                (Some((w, bias)), _) => conv_heads_qk_linked(&p.qkv, &w, &bias, hq, hk, hv, c)?,
+                (None, Some(conv)) => heads_qk_linked(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?,
+                (None, None) => heads_qk_linked(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
             }
         };
         let o = {
             let _s = crate::profile::span("recurrence", x.device());
-            crate::ops::chunked::delta_from_chunks(&qk, &keys, &v, &beta, g.as_ref(), scale)?
+            crate::ops::chunked::delta_from_linked(&qkv, &beta, g.as_ref(), scale)?
         };
         self.output(x, o, p.z.as_ref())
     }

@@ -30,14 +30,17 @@ pub(crate) fn to_chunks(x: &Tensor, c: usize) -> Result<Tensor> {
     x.contiguous()?.apply_op1(ToChunks(l))
 }
 
-/// x [B,T,H,dx] and y [B,T,H,dy] side by side: [N,B·H,C,dx+dy] float32, differentiable.
+/// x [B,T,H,dx] and y [B,T,H,dy] side by side: [N,B·H,C,dx+dy] float32, differentiable (the
+/// recurrence takes it linked, [`to_chunks_pair_linked`]).
+#[cfg(test)]
 pub(crate) fn to_chunks_pair(x: &Tensor, y: &Tensor, c: usize) -> Result<Tensor> {
-    let (dx, dy) = (x.dim(3)?, y.dim(3)?);
-    let (lx, ly) = (ChunkLayout::of(x, c, dx + dy, 0)?, ChunkLayout::of(y, c, dx + dy, dx)?);
-    if (lx.b, lx.t, lx.h) != (ly.b, ly.t, ly.h) {
-        candle_core::bail!("chunk layout: {:?} and {:?} differ before their last dimension", x.dims(), y.dims());
-    }
-    x.contiguous()?.apply_op2(&y.contiguous()?, ToChunksPair(lx, ly))
+    x.contiguous()?.apply_op2(&y.contiguous()?, ToChunksPair::of(x, y, c)?)
+}
+
+/// [`to_chunks_pair`] linked (see `ops::link`): for the one op that reads the pair, whose
+/// gradient, twice the size of a 16-bit x and y together, then skips candle's zero fill and add.
+pub(crate) fn to_chunks_pair_linked(x: &Tensor, y: &Tensor, c: usize) -> Result<super::link::Linked> {
+    super::link::link2(&x.contiguous()?, &y.contiguous()?, ToChunksPair::of(x, y, c)?)
 }
 
 /// x [N,B·H,C,d] float32 → [B,T,H,d] in `dtype` (T ≤ N·C: the padding is dropped), differentiable.
@@ -116,6 +119,18 @@ impl CustomOp1 for ToChunks {
 }
 
 struct ToChunksPair(ChunkLayout, ChunkLayout);
+
+impl ToChunksPair {
+    /// x [B,T,H,dx] and y [B,T,H,dy] side by side in chunks of `c`.
+    fn of(x: &Tensor, y: &Tensor, c: usize) -> Result<Self> {
+        let (dx, dy) = (x.dim(3)?, y.dim(3)?);
+        let (lx, ly) = (ChunkLayout::of(x, c, dx + dy, 0)?, ChunkLayout::of(y, c, dx + dy, dx)?);
+        if (lx.b, lx.t, lx.h) != (ly.b, ly.t, ly.h) {
+            candle_core::bail!("chunk layout: {:?} and {:?} differ before their last dimension", x.dims(), y.dims());
+        }
+        Ok(Self(lx, ly))
+    }
+}
 
 impl CustomOp2 for ToChunksPair {
     fn name(&self) -> &'static str {

@@ -16,10 +16,11 @@
 
 use super::chunk_intra::{self, Intra};
 use super::chunk_layout::{from_chunks, from_chunks_op, scalars_from_chunks, scalars_to_chunks, to_chunks};
-use super::chunk_layout::{to_chunks_pair, FromChunks};
+use super::chunk_layout::{to_chunks_pair_linked, FromChunks};
 use super::chunk_out::{self, Out};
 use super::chunk_walk::{self, final_state, Walk, WalkIn};
 use super::cpu_slice;
+use super::link::{Link, Linked};
 use super::recurrence::{Recurrence, Rule};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor};
 use std::sync::{Arc, Mutex};
@@ -29,12 +30,14 @@ use std::sync::{Arc, Mutex};
 /// laid out in the values' dtype by the op itself: a float32 o cast afterwards costs a full-size
 /// cast each way and a float32 gradient edge.
 pub(crate) fn forward(rec: &Recurrence, c: usize, tensor: bool) -> Result<(Tensor, Tensor)> {
-    let qk = to_chunks_pair(rec.q, rec.k, c)?; // [N,BH,C,2dk]
-                                               // The keys laid out in chunks again rather than copied out of qk's columns, a strided copy
-                                               // several times slower.
+    // [N,BH,C,2dk], linked: the op is its one reader.
+    let qk = to_chunks_pair_linked(rec.q, rec.k, c)?;
+    // The keys laid out in chunks again rather than copied out of qk's columns, a strided copy
+    // several times slower.
     let keys = to_chunks(&rec.k.detach(), c)?;
     let rest = Rest { v: rec.v, beta: rec.beta, g: rec.g, initial: rec.initial, scale: rec.scale, rule: rec.rule };
-    forward_chunked(&Chunked { qk: &qk, keys: &keys, t: rec.q.dim(1)?, c }, &rest, tensor)
+    let links = Links { qk: Some(&qk), v: None };
+    forward_chunked(&Chunked { qk: &qk.value, keys: &keys, t: rec.q.dim(1)?, c, links }, &rest, tensor)
 }
 
 /// What the recurrence reads besides q and k (see [`Recurrence`]'s fields of these names).
@@ -54,6 +57,16 @@ pub(crate) struct Chunked<'a> {
     pub keys: &'a Tensor,
     pub t: usize,
     pub c: usize,
+    /// Where q | k and the values came linked (see `ops::link`): `qk` and the values are then
+    /// the links' untracked tensors, and their gradients go through the links.
+    pub links: Links<'a>,
+}
+
+/// The links q | k and the values came through, where they did.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct Links<'a> {
+    pub qk: Option<&'a Linked>,
+    pub v: Option<&'a Linked>,
 }
 
 /// [`forward`] from q and k in chunks.
@@ -78,13 +91,16 @@ pub(crate) fn forward_chunked(x: &Chunked, rec: &Rest, tensor: bool) -> Result<(
     let shape = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
     let saved = Saved::run(&qk.detach(), x.keys, &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
     let state_shape = (b, h, dk, dv);
-    if super::untracked(&[qk, rec.v, &scal]) {
+    // In the graph a linked input is its token.
+    let (qk_node, v_node) = (x.links.qk.map_or(qk, |l| &l.token), x.links.v.map_or(rec.v, |l| &l.token));
+    if super::untracked(&[qk_node, v_node, &scal]) {
         let o = from_chunks(&saved.take_outputs()?, b, t, h, rec.v.dtype())?;
         return Ok((o, saved.state.reshape(state_shape)?));
     }
+    let links = [x.links.qk.map(|l| l.link.clone()), x.links.v.map(|l| l.link.clone())];
     let saved = Arc::new(saved);
-    let o = qk.apply_op3(rec.v, &scal, Output { saved: saved.clone(), state: false })?;
-    let state = qk.apply_op3(rec.v, &scal, Output { saved, state: true })?;
+    let o = qk_node.apply_op3(v_node, &scal, Output { saved: saved.clone(), state: false, links: links.clone() })?;
+    let state = qk_node.apply_op3(v_node, &scal, Output { saved, state: true, links })?;
     Ok((o, state.reshape(state_shape)?))
 }
 
@@ -360,6 +376,8 @@ fn suffix_sums(c: usize, dev: &candle_core::Device) -> Result<Tensor> {
 struct Output {
     saved: Arc<Saved>,
     state: bool,
+    /// The links of q | k and the values, where they came linked.
+    links: [Option<Link>; 2],
 }
 
 type Grads = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
@@ -407,16 +425,21 @@ impl CustomOp3 for Output {
         }
     }
 
-    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
+    fn bwd(&self, qk: &Tensor, v: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Grads> {
         let (go, gs) = if self.state { (None, Some(grad)) } else { (Some(grad), None) };
         let (a, b, c) = self.saved.backward(go, gs)?;
-        Ok((Some(a), Some(b), Some(c)))
+        let hand = |link: &Option<Link>, node: &Tensor, g: Tensor| match link {
+            Some(l) => l.hand_over(node, g),
+            None => Ok(g),
+        };
+        Ok((Some(hand(&self.links[0], qk, a)?), Some(hand(&self.links[1], v, b)?), Some(c)))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::chunk_layout::to_chunks_pair;
     use candle_core::Device;
 
     /// The saved steps keep the values as the op reads them (no float32 copy in chunks) and give
@@ -434,7 +457,7 @@ mod tests {
         let rest = Rest { v: &v, beta: &beta, g: None, initial: None, scale: 0.5, rule: Rule::Delta };
         let saved = Arc::new(Saved::run(&qk, &keys, &v, &scal, sizes, &rest, false)?);
         assert_eq!(saved.v.dims(), v.dims(), "the values are kept as the op reads them");
-        let lay_out = || qk.apply_op3(&v, &scal, Output { saved: saved.clone(), state: false });
+        let lay_out = || qk.apply_op3(&v, &scal, Output { saved: saved.clone(), state: false, links: [None, None] });
         let o = lay_out()?;
         assert!(saved.o.lock().unwrap().is_none(), "the chunked outputs are still held");
         assert!(lay_out().is_err(), "a second lay-out of outputs already given up");

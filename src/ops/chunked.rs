@@ -169,11 +169,23 @@ pub fn delta_from_chunks(
     g: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    use super::chunk_recurrence::{forward_chunked, Chunked, Rest};
+    use super::chunk_recurrence::{forward_chunked, Chunked, Links, Rest};
     let t = v.dim(1)?;
     let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
-    let x = Chunked { qk, keys, t, c: chunk_len(t) };
+    let x = Chunked { qk, keys, t, c: chunk_len(t), links: Links::default() };
     Ok(forward_chunked(&x, &rest, v.dtype() != DType::F32)?.0)
+}
+
+/// [`delta_from_chunks`] from q | k and v linked to it (`prep::heads_qk_linked` and
+/// `prep::conv_heads_qk_linked`), whose gradients then go through the links.
+pub fn delta_from_linked(x: &super::prep::QkvChunks, beta: &Tensor, g: Option<&Tensor>, scale: f64) -> Result<Tensor> {
+    use super::chunk_recurrence::{forward_chunked, Chunked, Links, Rest};
+    let v = &x.v.value;
+    let t = v.dim(1)?;
+    let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
+    let links = Links { qk: Some(&x.qk), v: Some(&x.v) };
+    let chunked = Chunked { qk: &x.qk.value, keys: &x.keys, t, c: chunk_len(t), links };
+    Ok(forward_chunked(&chunked, &rest, v.dtype() != DType::F32)?.0)
 }
 
 /// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype
@@ -491,5 +503,66 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The recurrence's inputs linked to it (prep's ops handing the recurrence q | k and v
+    /// outside candle's graph) give the output and gradients the tracked inputs give, bit for
+    /// bit: the rows of the projections, the conv's weight and bias, β and the decay, over two
+    /// backwards, with the short conv inside the ops and without, float32 and bf16, T not a
+    /// multiple of the chunk.
+    #[test]
+    fn linked_inputs_match_tracked_ones() -> Result<()> {
+        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked, heads_qk_chunks, heads_qk_linked, Heads};
+        let mut rng = StdRng::seed_from_u64(31);
+        let (b, t, h, dk, dv, taps) = (2, 70, 2, 8, 6, 4);
+        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
+        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
+        let width = 2 * h * dk + h * dv;
+        let c = chunk_len(t);
+        for dtype in [DType::F32, DType::BF16] {
+            for conv in [false, true] {
+                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
+                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
+                };
+                let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
+                let w = var(&[width, taps], -0.5, 0.5, dtype)?;
+                let bias = var(&[width], -0.5, 0.5, dtype)?;
+                let (beta, g) = (var(&[b, t, h], 0.1, 0.9, DType::F32)?, var(&[b, t, h], -0.3, -0.01, DType::F32)?);
+                let wo = rand(&[b, t, h, dv], &mut rng, -1.0, 1.0);
+                let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), bias.as_tensor());
+                let tracked = || -> Result<Tensor> {
+                    let (qk, keys, tv) = match conv {
+                        true => conv_heads_qk_chunks(xt, wt, bt, q, k, v, c)?,
+                        false => heads_qk_chunks(xt, q, k, v, c)?,
+                    };
+                    delta_from_chunks(&qk, &keys, &tv, beta.as_tensor(), Some(g.as_tensor()), 0.3)
+                };
+                let linked = || -> Result<Tensor> {
+                    let x = match conv {
+                        true => conv_heads_qk_linked(xt, wt, bt, q, k, v, c)?,
+                        false => heads_qk_linked(xt, q, k, v, c)?,
+                    };
+                    delta_from_linked(&x, beta.as_tensor(), Some(g.as_tensor()), 0.3)
+                };
+                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
+                let (want, got) = (tracked()?, linked()?);
+                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, conv {conv})");
+                let want = loss(&want)?.backward()?;
+                let got_loss = loss(&got)?;
+                for pass in 0..2 {
+                    let got = got_loss.backward()?;
+                    for (name, v) in [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)] {
+                        if !conv && (name == "w" || name == "bias") {
+                            continue;
+                        }
+                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
+                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
+                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, conv {conv})");
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

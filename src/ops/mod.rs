@@ -17,6 +17,7 @@ pub mod distill;
 #[cfg(test)]
 mod host_kernels;
 mod launch;
+pub(crate) mod link;
 pub mod mlp;
 pub mod norm;
 pub mod prep;

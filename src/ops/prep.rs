@@ -388,6 +388,26 @@ pub fn heads_qk_chunks(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Re
     Ok((qk, QkChunks::keys(&keys)?, tv))
 }
 
+/// The recurrence's inputs in chunks as the chunk recurrence alone reads them: q | k and v
+/// linked to it (see `ops::link`), so that neither gradient, q | k's float32 [N, B·H, c, 2d]
+/// and v's [B, T, H, dv], is a full-size edge of candle's graph.
+pub struct QkvChunks {
+    pub(crate) qk: super::link::Linked,
+    pub(crate) keys: Tensor,
+    pub(crate) v: super::link::Linked,
+}
+
+/// [`heads_qk_chunks`], linked: the same ops in the same order, for `ops::chunked::delta_from_linked`.
+pub fn heads_qk_linked(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<QkvChunks> {
+    use super::link::{link1, link2};
+    let op = QkChunks::new(x, q, k, v, c)?;
+    let (slot, keys) = (op.slot.clone(), op.keys.clone());
+    let x = super::as_rows(x)?;
+    let qk = link1(&x, op)?;
+    let tv = link2(&x, &qk.token, Part { heads: v, slot, opens: true })?;
+    Ok(QkvChunks { qk, keys: QkChunks::keys(&keys)?, v: tv })
+}
+
 /// [`heads_qk_chunks`] with the short conv before it inside the ops: x [B, T, C] is the conv's
 /// input, `w` [C, K] and `bias` [C] its weights in x's dtype (see `ShortConv::grad_operands`),
 /// the conv causal and followed by SiLU. The conv's output is made in the forward, read by the
@@ -405,19 +425,29 @@ pub fn conv_heads_qk_chunks(
     v: Heads,
     c: usize,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let chunks = QkChunks::new(x, q, k, v, c)?;
-    if v.norm.is_some() || w.dims2()?.0 != x.dim(2)? {
-        candle_core::bail!(
-            "conv and heads in chunks: v {v:?} must be copied heads, w {:?} one row a channel",
-            w.shape()
-        );
-    }
-    let conv = super::conv::FusedConv::causal_silu(w.dim(1)?)?;
-    let (slot, keys, mixed) = (chunks.slot.clone(), chunks.keys.clone(), Arc::new(Mutex::new(None)));
+    let (first, second, keys) = ConvQkChunks::ops(x, w, q, k, v, c)?;
     let x = super::as_rows(x)?;
-    let qk = x.apply_op3(w, bias, ConvQkChunks { chunks, conv, mixed: mixed.clone() })?;
-    let tv = x.apply_op2(&qk, ConvPart { part: Part { heads: v, slot, opens: true }, mixed })?;
+    let qk = x.apply_op3(w, bias, first)?;
+    let tv = x.apply_op2(&qk, second)?;
     Ok((qk, QkChunks::keys(&keys)?, tv))
+}
+
+/// [`conv_heads_qk_chunks`], linked (see [`heads_qk_linked`]).
+pub fn conv_heads_qk_linked(
+    x: &Tensor,
+    w: &Tensor,
+    bias: &Tensor,
+    q: Heads,
+    k: Heads,
+    v: Heads,
+    c: usize,
+) -> Result<QkvChunks> {
+    use super::link::{link2, link3};
+    let (first, second, keys) = ConvQkChunks::ops(x, w, q, k, v, c)?;
+    let x = super::as_rows(x)?;
+    let qk = link3(&x, w, bias, first)?;
+    let tv = link2(&x, &qk.token, second)?;
+    Ok(QkvChunks { qk, keys: QkChunks::keys(&keys)?, v: tv })
 }
 
 /// q | k in chunks (see [`heads_qk_chunks`]); the forward leaves the keys alone in `keys`.
@@ -530,6 +560,24 @@ struct ConvQkChunks {
     chunks: QkChunks,
     conv: super::conv::FusedConv,
     mixed: Slot,
+}
+
+impl ConvQkChunks {
+    /// The two ops of [`conv_heads_qk_chunks`] on x with the conv weights `w`, and the slot
+    /// the first leaves the keys in.
+    fn ops(x: &Tensor, w: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<(Self, ConvPart, Slot)> {
+        let chunks = QkChunks::new(x, q, k, v, c)?;
+        if v.norm.is_some() || w.dims2()?.0 != x.dim(2)? {
+            candle_core::bail!(
+                "conv and heads in chunks: v {v:?} must be copied heads, w {:?} one row a channel",
+                w.shape()
+            );
+        }
+        let conv = super::conv::FusedConv::causal_silu(w.dim(1)?)?;
+        let (slot, keys, mixed) = (chunks.slot.clone(), chunks.keys.clone(), Arc::new(Mutex::new(None)));
+        let second = ConvPart { part: Part { heads: v, slot, opens: true }, mixed: mixed.clone() };
+        Ok((ConvQkChunks { chunks, conv, mixed }, second, keys))
+    }
 }
 
 impl CustomOp3 for ConvQkChunks {
