@@ -169,23 +169,33 @@ pub fn delta_from_chunks(
     g: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    use super::chunk_recurrence::{forward_chunked, Chunked, Links, Rest};
-    let t = v.dim(1)?;
-    let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
-    let x = Chunked { qk, keys, t, c: chunk_len(t), links: Links::default() };
-    Ok(forward_chunked(&x, &rest, v.dtype() != DType::F32)?.0)
+    use super::chunk_recurrence::Links;
+    delta_in_chunks(qk, keys, v, Links::default(), beta, g, scale)
 }
 
 /// [`delta_from_chunks`] from q | k and v linked to it (`prep::heads_qk_linked` and
 /// `prep::conv_heads_qk_linked`), whose gradients then go through the links.
 pub fn delta_from_linked(x: &super::prep::QkvChunks, beta: &Tensor, g: Option<&Tensor>, scale: f64) -> Result<Tensor> {
-    use super::chunk_recurrence::{forward_chunked, Chunked, Links, Rest};
-    let v = &x.v.value;
+    let links = super::chunk_recurrence::Links { qk: Some(&x.qk), v: Some(&x.v) };
+    delta_in_chunks(&x.qk.value, &x.keys, &x.v.value, links, beta, g, scale)
+}
+
+/// What [`delta_from_chunks`] and [`delta_from_linked`] run: q | k, keys and v as values, and
+/// the links the values came through where they did.
+fn delta_in_chunks(
+    qk: &Tensor,
+    keys: &Tensor,
+    v: &Tensor,
+    links: super::chunk_recurrence::Links,
+    beta: &Tensor,
+    g: Option<&Tensor>,
+    scale: f64,
+) -> Result<Tensor> {
+    use super::chunk_recurrence::{forward_chunked, Chunked, Rest};
     let t = v.dim(1)?;
     let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
-    let links = Links { qk: Some(&x.qk), v: Some(&x.v) };
-    let chunked = Chunked { qk: &x.qk.value, keys: &x.keys, t, c: chunk_len(t), links };
-    Ok(forward_chunked(&chunked, &rest, v.dtype() != DType::F32)?.0)
+    let x = Chunked { qk, keys, t, c: chunk_len(t), links };
+    Ok(forward_chunked(&x, &rest, v.dtype() != DType::F32)?.0)
 }
 
 /// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype

@@ -73,7 +73,7 @@ impl<P> Maker<P> {
 
     fn keep_cpu(&self, (s, shape): (CpuStorage, Shape)) -> Result<(CpuStorage, Shape)> {
         self.keep(candle_core::Storage::Cpu(s), shape)?;
-        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+        Ok(super::zero_scalar_cpu())
     }
 
     #[cfg(feature = "cuda")]
@@ -81,8 +81,7 @@ impl<P> Maker<P> {
         use candle_core::backend::BackendStorage;
         let dev = s.device().clone();
         self.keep(candle_core::Storage::Cuda(s), shape)?;
-        let zero = dev.alloc_zeros::<f32>(1)?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev), Shape::from(())))
+        super::zero_scalar_gpu(&dev)
     }
 
     fn keep(&self, s: candle_core::Storage, shape: Shape) -> Result<()> {

@@ -77,7 +77,7 @@ impl candle_core::CustomOp1 for Seed {
         _: &candle_core::CpuStorage,
         _: &Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        Ok((candle_core::CpuStorage::F32(vec![0.0]), candle_core::Shape::from(())))
+        Ok(zero_scalar_cpu())
     }
 
     #[cfg(feature = "cuda")]
@@ -87,9 +87,7 @@ impl candle_core::CustomOp1 for Seed {
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         use candle_core::backend::BackendStorage;
-        let dev = y.device().clone();
-        let zero = dev.alloc_zeros::<f32>(1)?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev), candle_core::Shape::from(())))
+        zero_scalar_gpu(y.device())
     }
 
     fn bwd(&self, y: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -103,6 +101,19 @@ impl candle_core::CustomOp1 for Seed {
             _ => candle_core::bail!("seed gradient: the root's gradient is not a scalar"),
         }
     }
+}
+
+/// A float32 scalar zero as an op's output on the CPU: what ops whose output only stands in the
+/// graph (a backward's root, a linked maker's token) put out.
+pub(crate) fn zero_scalar_cpu() -> (candle_core::CpuStorage, candle_core::Shape) {
+    (candle_core::CpuStorage::F32(vec![0.0]), candle_core::Shape::from(()))
+}
+
+/// [`zero_scalar_cpu`] on the GPU `dev`.
+#[cfg(feature = "cuda")]
+pub(crate) fn zero_scalar_gpu(dev: &candle_core::CudaDevice) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+    let zero = dev.alloc_zeros::<f32>(1)?;
+    Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev.clone()), candle_core::Shape::from(())))
 }
 
 /// softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for large |x|.

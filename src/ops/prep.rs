@@ -380,11 +380,10 @@ impl CustomOp2 for Part {
 /// first and starts d(x); the pairs' writes q's and k's columns and hands it over. All three
 /// outputs must reach the loss.
 pub fn heads_qk_chunks(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<(Tensor, Tensor, Tensor)> {
-    let op = QkChunks::new(x, q, k, v, c)?;
-    let (slot, keys) = (op.slot.clone(), op.keys.clone());
+    let (first, second, keys) = QkChunks::ops(x, q, k, v, c)?;
     let x = super::as_rows(x)?;
-    let qk = x.apply_op1(op)?;
-    let tv = x.apply_op2(&qk, Part { heads: v, slot, opens: true })?;
+    let qk = x.apply_op1(first)?;
+    let tv = x.apply_op2(&qk, second)?;
     Ok((qk, QkChunks::keys(&keys)?, tv))
 }
 
@@ -400,11 +399,10 @@ pub struct QkvChunks {
 /// [`heads_qk_chunks`], linked: the same ops in the same order, for `ops::chunked::delta_from_linked`.
 pub fn heads_qk_linked(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<QkvChunks> {
     use super::link::{link1, link2};
-    let op = QkChunks::new(x, q, k, v, c)?;
-    let (slot, keys) = (op.slot.clone(), op.keys.clone());
+    let (first, second, keys) = QkChunks::ops(x, q, k, v, c)?;
     let x = super::as_rows(x)?;
-    let qk = link1(&x, op)?;
-    let tv = link2(&x, &qk.token, Part { heads: v, slot, opens: true })?;
+    let qk = link1(&x, first)?;
+    let tv = link2(&x, &qk.token, second)?;
     Ok(QkvChunks { qk, keys: QkChunks::keys(&keys)?, v: tv })
 }
 
@@ -473,6 +471,14 @@ impl QkChunks {
             candle_core::bail!("heads in chunks: q {q:?} and k {k:?} must be normed heads of one width and count");
         }
         Ok(QkChunks { q, k, t, c, slot: Arc::new(Mutex::new(None)), keys: Arc::new(Mutex::new(None)) })
+    }
+
+    /// The two ops of [`heads_qk_chunks`] (q | k, then v's part, which opens the shared d(x)),
+    /// and the slot the first leaves the keys in.
+    fn ops(x: &Tensor, q: Heads, k: Heads, v: Heads, c: usize) -> Result<(Self, Part, Slot)> {
+        let op = QkChunks::new(x, q, k, v, c)?;
+        let (slot, keys) = (op.slot.clone(), op.keys.clone());
+        Ok((op, Part { heads: v, slot, opens: true }, keys))
     }
 
     /// The keys the forward left in `keys`.
