@@ -123,6 +123,17 @@ impl Linear {
             && !crate::ops::untracked(&[x, self.weight()])
     }
 
+    /// The projection of x as `ops::projection::linked_linear` makes it, its output linked to
+    /// the one op that reads it, where the forward is one of statecut's products (off the CPU,
+    /// a gradient flowing) with no bias or adapter; `None` elsewhere.
+    pub(crate) fn forward_linked(&self, x: &Tensor) -> candle_core::Result<Option<crate::ops::link::Linked>> {
+        if self.adapter.is_some() || self.bias().is_some() || !(self.frozen_under_gradient(x) || self.trained(x)) {
+            return Ok(None);
+        }
+        let _s = crate::profile::span("projections", x.device());
+        crate::ops::projection::linked_linear(x, self.weight()).map(Some)
+    }
+
     /// The weight of a projection that is the base matmul by a frozen weight with contiguous rows
     /// (no bias, no adapter, no gradient): what an op that ends in this projection may multiply
     /// by itself (see `ops::norm::RmsNorm::project_heads`).

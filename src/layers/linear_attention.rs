@@ -54,6 +54,9 @@ pub enum Projections {
 struct Projected {
     /// pre-conv [q all | k all | v all]
     qkv: Tensor,
+    /// `qkv` linked to the one op that reads it (see [`Projections::project`]): `qkv` is then
+    /// its untracked value, and a reader that does not take the link gives it no gradient.
+    linked: Option<crate::ops::link::Linked>,
     /// [B, T, Hv·dv]
     z: Option<Tensor>,
     /// [B, T, Hv]
@@ -85,8 +88,12 @@ impl Projections {
         Ok(Projections::Stacked { all, z, b, a })
     }
 
-    fn project(&self, x: &Tensor, d: LinearDims) -> Result<Projected> {
+    /// The projections of x. `link`: the caller reads [q | k | v] with one linked op (the
+    /// conv and heads in chunks with gradients), so a product of statecut's whose output is
+    /// [q | k | v] alone may link its output to it (see `ops::link`).
+    fn project(&self, x: &Tensor, d: LinearDims, link: bool) -> Result<Projected> {
         let (bs, t, _) = x.dims3()?;
+        let linked = |y: crate::ops::link::Linked| (y.value.clone(), Some(y));
         Ok(match self {
             Projections::Separate { q, k, v, b, a, z } => {
                 let opt = |p: &Option<Linear>| p.as_ref().map(|p| p.forward(x)).transpose();
@@ -97,20 +104,24 @@ impl Projections {
                 let stack = !x.device().is_cpu()
                     && qkv.iter().all(|p| p.adapter().is_none() && p.bias().is_none())
                     && !crate::ops::untracked(&[x, q.weight(), k.weight(), v.weight()]);
-                let qkv = if stack {
-                    let w = Tensor::cat(&qkv.map(|p| p.weight()), 0)?;
-                    Linear::new(w, None).forward(x)?
+                let (qkv, linked) = if stack {
+                    let w = Linear::new(Tensor::cat(&qkv.map(|p| p.weight()), 0)?, None);
+                    match w.forward_linked(x)?.filter(|_| link) {
+                        Some(y) => linked(y),
+                        None => (w.forward(x)?, None),
+                    }
                 } else {
-                    Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?
+                    (Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?, None)
                 };
-                Projected { qkv, z: opt(z)?, b: opt(b)?, a: opt(a)? }
+                Projected { qkv, linked, z: opt(z)?, b: opt(b)?, a: opt(a)? }
             }
-            Projections::QwenSplit { qkv, z, b, a } => Projected {
-                qkv: qkv.forward(x)?,
-                z: Some(z.forward(x)?),
-                b: Some(b.forward(x)?),
-                a: Some(a.forward(x)?),
-            },
+            Projections::QwenSplit { qkv, z, b, a } => {
+                let (qkv, linked) = match qkv.forward_linked(x)?.filter(|_| link) {
+                    Some(y) => linked(y),
+                    None => (qkv.forward(x)?, None),
+                };
+                Projected { qkv, linked, z: Some(z.forward(x)?), b: Some(b.forward(x)?), a: Some(a.forward(x)?) }
+            }
             Projections::Stacked { all, z, b, a } => {
                 // Narrowed views of one output: the conv and the decoding step read them in place.
                 let y = crate::ops::linear(all, x)?;
@@ -126,7 +137,7 @@ impl Projections {
                 let z = take(*z, d.v_heads * d.dv)?;
                 let b = take(*b, d.v_heads)?;
                 let a = take(*a, d.v_heads)?;
-                Projected { qkv, z, b, a }
+                Projected { qkv, linked: None, z, b, a }
             }
             Projections::QwenFused { qkvz, ba } => {
                 // transformers `fix_query_key_value_ordering`
@@ -139,7 +150,7 @@ impl Projections {
                 let ba = ba.forward(x)?.reshape((bs, t, hk, 2 * r))?;
                 let b = ba.narrow(3, 0, r)?.reshape((bs, t, d.v_heads))?;
                 let a = ba.narrow(3, r, r)?.reshape((bs, t, d.v_heads))?;
-                Projected { qkv, z: Some(z), b: Some(b), a: Some(a) }
+                Projected { qkv, linked: None, z: Some(z), b: Some(b), a: Some(a) }
             }
         })
     }
@@ -228,16 +239,18 @@ impl LinearAttention {
             _ => (None, None),
         };
         let dev = x.device();
-        let p = self.proj.project(x, d)?;
         // With gradients on the chunk kernels: the conv, q and k normed straight into the
         // kernels' chunked layout, and the recurrence on those chunks (see `trained_chunks`).
-        let trained_chunks = prev_state.is_none()
+        let chunks_with_gradients = prev_state.is_none()
             && cache.is_none()
             && obs.passive()
             && !obs.wants_state()
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
-            && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk)
-            && self.mixes_with_gradients(&p.qkv)?;
+            && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk);
+        // There the conv's op is [q | k | v]'s one reader, which may take it linked.
+        let link = chunks_with_gradients && self.conv.as_ref().map(ShortConv::fits_ops).transpose()? == Some(true);
+        let p = self.proj.project(x, d, link)?;
+        let trained_chunks = chunks_with_gradients && (p.linked.is_some() || self.mixes_with_gradients(&p.qkv)?);
         if trained_chunks {
             return self.trained_chunks(x, &p);
         }
@@ -320,13 +333,24 @@ impl LinearAttention {
         let (beta, g, _) = self.gates(x, p)?;
         let (hq, hk, hv, scale) = self.heads();
         let c = crate::ops::chunked::chunk_len(x.dim(1)?);
-        let operands = self.conv.as_ref().map(|conv| conv.grad_operands(&p.qkv)).transpose()?.flatten();
+        use crate::ops::link::Operand;
+        // A linked [q | k | v] has a gradient whatever the conv's weights track.
+        let (input, operands) = match (&p.linked, &self.conv) {
+            (Some(l), Some(conv)) => (Operand::Linked(l), conv.operands_in(p.qkv.dtype(), x.device())?),
+            (Some(_), None) => anyhow::bail!("a linked [q | k | v] needs the short conv to read it"),
+            (None, conv) => {
+                (Operand::Tracked(&p.qkv), conv.as_ref().map(|c| c.grad_operands(&p.qkv)).transpose()?.flatten())
+            }
+        };
+        if p.linked.is_some() && operands.is_none() {
+            anyhow::bail!("a linked [q | k | v] needs the conv's op to read it");
+        }
         // Linked to the recurrence, their one reader (see `ops::link`).
         let qkv = {
             use crate::ops::prep::{conv_heads_qk_linked, heads_qk_linked};
             let _s = crate::profile::span("short conv + heads in chunks", x.device());
             match (operands, &self.conv) {
-                (Some((w, bias)), _) => conv_heads_qk_linked(&p.qkv, &w, &bias, hq, hk, hv, c)?,
+                (Some((w, bias)), _) => conv_heads_qk_linked(input, &w, &bias, hq, hk, hv, c)?,
                 (None, Some(conv)) => heads_qk_linked(&conv.forward_silu_cached(&p.qkv, None)?.0, hq, hk, hv, c)?,
                 (None, None) => heads_qk_linked(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
             }
@@ -455,7 +479,7 @@ impl LinearAttention {
         // `DecodeCache::exclusive`), so the kernel reads and writes the cache's own buffer.
         let in_place = *owned;
         let dtype = x.dtype();
-        let p = self.proj.project(x, d)?;
+        let p = self.proj.project(x, d, false)?;
         let (weight, bias) = conv.parts()?;
         let (neg_a, dt_bias, a) = match &self.decay {
             Decay::PerHead { neg_a, dt_bias } => (Some(neg_a.get()?), Some(dt_bias.get()?), p.a.clone()),

@@ -549,7 +549,7 @@ mod tests {
                 };
                 let linked = || -> Result<Tensor> {
                     let x = match conv {
-                        true => conv_heads_qk_linked(xt, wt, bt, q, k, v, c)?,
+                        true => conv_heads_qk_linked(crate::ops::link::Operand::Tracked(xt), wt, bt, q, k, v, c)?,
                         false => heads_qk_linked(xt, q, k, v, c)?,
                     };
                     delta_from_linked(&x, beta.as_tensor(), Some(g.as_tensor()), 0.3)
@@ -569,6 +569,68 @@ mod tests {
                         let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
                         let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
                         assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, conv {conv})");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The projection before the conv linked to it (`projection::linked_linear`, then
+    /// `conv_heads_qk_linked` over the linked output) gives the outputs and gradients (input,
+    /// projection weight trained or frozen, conv weight and bias, β, decay) of the tracked chain,
+    /// bit for bit, over two backwards.
+    #[test]
+    fn a_linked_projection_matches_a_tracked_one() -> Result<()> {
+        use crate::ops::link::Operand;
+        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked, Heads};
+        use crate::ops::projection::{linked_linear, trained_linear};
+        let mut rng = StdRng::seed_from_u64(37);
+        let (b, t, h, dk, dv, taps, inp) = (2, 70, 2, 8, 6, 4, 5);
+        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
+        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
+        let width = 2 * h * dk + h * dv;
+        let c = chunk_len(t);
+        for dtype in [DType::F32, DType::BF16] {
+            for trained in [true, false] {
+                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
+                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
+                };
+                let x = var(&[b, t, inp], -1.0, 1.0, dtype)?;
+                let proj = var(&[width, inp], -0.5, 0.5, dtype)?;
+                let w = var(&[width, taps], -0.5, 0.5, dtype)?;
+                let bias = var(&[width], -0.5, 0.5, dtype)?;
+                let (beta, g) = (var(&[b, t, h], 0.1, 0.9, DType::F32)?, var(&[b, t, h], -0.3, -0.01, DType::F32)?);
+                let wo = rand(&[b, t, h, dv], &mut rng, -1.0, 1.0);
+                let pw = if trained { proj.as_tensor().clone() } else { proj.as_tensor().detach() };
+                let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), bias.as_tensor());
+                let tracked = || -> Result<Tensor> {
+                    let y = trained_linear(xt, &pw)?;
+                    let (qk, keys, tv) = conv_heads_qk_chunks(&y, wt, bt, q, k, v, c)?;
+                    delta_from_chunks(&qk, &keys, &tv, beta.as_tensor(), Some(g.as_tensor()), 0.3)
+                };
+                let linked = || -> Result<Tensor> {
+                    let y = linked_linear(xt, &pw)?;
+                    let x = conv_heads_qk_linked(Operand::Linked(&y), wt, bt, q, k, v, c)?;
+                    delta_from_linked(&x, beta.as_tensor(), Some(g.as_tensor()), 0.3)
+                };
+                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
+                let (want, got) = (tracked()?, linked()?);
+                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, trained {trained})");
+                let want = loss(&want)?.backward()?;
+                let got_loss = loss(&got)?;
+                for pass in 0..2 {
+                    let got = got_loss.backward()?;
+                    let vars = [("x", &x), ("proj", &proj), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)];
+                    for (name, v) in vars {
+                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
+                        if name == "proj" && !trained {
+                            assert!(a.is_none() && e.is_none(), "a frozen projection took a gradient");
+                            continue;
+                        }
+                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
+                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, trained {trained})");
                     }
                 }
             }

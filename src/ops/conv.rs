@@ -1,7 +1,7 @@
 //! Depthwise causal short convolution (fla `ShortConvolution`, Mamba-2 and Qwen3.5 `conv1d`).
 
 use super::derived::Derived;
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 
 /// A depthwise causal conv over [B, T, C] with weight [C, 1, K] and an optional bias [C]:
 /// y_t[c] = Σ_i w[c, i] · x_{t-K+1+i}[c] (+ b[c]), zero history.
@@ -94,13 +94,29 @@ impl ShortConv {
     pub fn grad_operands(&self, x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
         let (weight, bias) = self.parts()?;
         let tensors: Vec<&Tensor> = [Some(x), Some(&weight), bias.as_ref()].into_iter().flatten().collect();
-        if super::fusable(&tensors) || x.device().is_cpu() || weight.dim(1)? > CONV_BWD_MAX_K {
+        if super::fusable(&tensors) || x.device().is_cpu() {
             return Ok(None);
         }
-        let dtype = x.dtype();
+        self.operands_in(x.dtype(), x.device())
+    }
+
+    /// Whether the kernel is narrow enough for the ops that run the conv inside themselves
+    /// with gradients (see [`Self::grad_operands`]).
+    pub fn fits_ops(&self) -> Result<bool> {
+        Ok(self.parts()?.0.dim(1)? <= CONV_BWD_MAX_K)
+    }
+
+    /// [`Self::grad_operands`]' weight and bias in `dtype` for an input whose gradient is known
+    /// to flow (one linked from its maker, which tracks nothing itself); `None` where the
+    /// kernel is too wide for the op's backward.
+    pub fn operands_in(&self, dtype: DType, dev: &candle_core::Device) -> Result<Option<(Tensor, Tensor)>> {
+        if !self.fits_ops()? {
+            return Ok(None);
+        }
+        let (weight, bias) = self.parts()?;
         let bias = match bias {
             Some(b) => b.to_dtype(dtype)?,
-            None => Tensor::zeros(weight.dim(0)?, dtype, x.device())?,
+            None => Tensor::zeros(weight.dim(0)?, dtype, dev)?,
         };
         Ok(Some((weight.to_dtype(dtype)?.contiguous()?, bias)))
     }

@@ -202,6 +202,141 @@ impl<P: CustomOp3> CustomOp3 for Maker<P> {
     }
 }
 
+/// What an op reads first: a tensor of candle's graph, or a linked maker's output.
+#[derive(Clone, Copy)]
+pub(crate) enum Operand<'a> {
+    Tracked(&'a Tensor),
+    Linked(&'a Linked),
+}
+
+impl Operand<'_> {
+    /// The tensor the op reads.
+    pub fn value(&self) -> &Tensor {
+        match self {
+            Operand::Tracked(t) => t,
+            Operand::Linked(l) => &l.value,
+        }
+    }
+}
+
+/// An op reading a linked tensor as its first operand: the graph gives it the token, it runs
+/// its op on the value, and the op's gradient for the value goes to the link.
+struct Reader<P> {
+    op: P,
+    value: Tensor,
+    link: Link,
+}
+
+impl<P> Reader<P> {
+    fn new(x: &Linked, op: P) -> Self {
+        Self { op, value: x.value.clone(), link: x.link.clone() }
+    }
+
+    fn cpu<R>(&self, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
+        super::on_cpu(&self.value, "linked operand", f)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn gpu<R>(&self, f: impl FnOnce(&candle_core::CudaStorage, &Layout) -> Result<R>) -> Result<R> {
+        super::on_gpu(&self.value, "linked operand", f)
+    }
+
+    /// The op's gradient for the value, handed to the link; candle gets the token's (zero).
+    fn hand_over(&self, token: &Tensor, g: Option<Tensor>) -> Result<Option<Tensor>> {
+        g.map(|g| self.link.hand_over(token, g)).transpose()
+    }
+}
+
+/// `op` on (x, y), x an operand that may be linked, its output linked in turn (see [`link2`]).
+pub(crate) fn link2_from<P: CustomOp2 + Send + Sync + 'static>(x: Operand, y: &Tensor, op: P) -> Result<Linked> {
+    match x {
+        Operand::Tracked(x) => link2(x, y, op),
+        Operand::Linked(l) => link2(&l.token, y, Reader::new(l, op)),
+    }
+}
+
+/// `op` on (x, y, z), x an operand that may be linked (see [`link2_from`]).
+pub(crate) fn link3_from<P: CustomOp3 + Send + Sync + 'static>(
+    x: Operand,
+    y: &Tensor,
+    z: &Tensor,
+    op: P,
+) -> Result<Linked> {
+    match x {
+        Operand::Tracked(x) => link3(x, y, z, op),
+        Operand::Linked(l) => link3(&l.token, y, z, Reader::new(l, op)),
+    }
+}
+
+impl<P: CustomOp2> CustomOp2 for Reader<P> {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, y: &CpuStorage, yl: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.cpu(|x, xl| self.op.cpu_fwd(x, xl, y, yl))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.gpu(|x, xl| self.op.cuda_fwd(x, xl, y, yl))
+    }
+
+    fn bwd(&self, token: &Tensor, y: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dy) = self.op.bwd(&self.value, y, res, g)?;
+        Ok((self.hand_over(token, dx)?, dy))
+    }
+}
+
+impl<P: CustomOp3> CustomOp3 for Reader<P> {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+        z: &CpuStorage,
+        zl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu(|x, xl| self.op.cpu_fwd(x, xl, y, yl, z, zl))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        z: &candle_core::CudaStorage,
+        zl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.gpu(|x, xl| self.op.cuda_fwd(x, xl, y, yl, z, zl))
+    }
+
+    fn bwd(
+        &self,
+        token: &Tensor,
+        y: &Tensor,
+        z: &Tensor,
+        res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dy, dz) = self.op.bwd(&self.value, y, z, res, g)?;
+        Ok((self.hand_over(token, dx)?, dy, dz))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,6 +4,7 @@
 //! widenings, two norms) and a seventh for v.
 
 pub use super::launch::{Heads, HeadsDst, QkvPrep};
+use super::link::Operand;
 use super::Rows;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 use std::sync::{Arc, Mutex};
@@ -430,9 +431,11 @@ pub fn conv_heads_qk_chunks(
     Ok((qk, QkChunks::keys(&keys)?, tv))
 }
 
-/// [`conv_heads_qk_chunks`], linked (see [`heads_qk_linked`]).
-pub fn conv_heads_qk_linked(
-    x: &Tensor,
+/// [`conv_heads_qk_chunks`], linked (see [`heads_qk_linked`]). x may come linked from its maker
+/// too (the projection before the conv, see `ops::projection::linked_linear`), so that d(x),
+/// [B·T, C], reaches the projection's backward without an edge of candle's graph.
+pub(crate) fn conv_heads_qk_linked(
+    x: Operand,
     w: &Tensor,
     bias: &Tensor,
     q: Heads,
@@ -440,11 +443,21 @@ pub fn conv_heads_qk_linked(
     v: Heads,
     c: usize,
 ) -> Result<QkvChunks> {
-    use super::link::{link2, link3};
-    let (first, second, keys) = ConvQkChunks::ops(x, w, q, k, v, c)?;
-    let x = super::as_rows(x)?;
-    let qk = link3(&x, w, bias, first)?;
-    let tv = link2(&x, &qk.token, second)?;
+    use super::link::{link2_from, link3_from};
+    let (first, second, keys) = ConvQkChunks::ops(x.value(), w, q, k, v, c)?;
+    let laid;
+    let x = match x {
+        Operand::Tracked(x) => {
+            laid = super::as_rows(x)?;
+            Operand::Tracked(&laid)
+        }
+        Operand::Linked(l) if super::row_strided(l.value.layout()).is_none() => {
+            candle_core::bail!("conv and heads in chunks: a linked input must be laid out in rows")
+        }
+        linked => linked,
+    };
+    let qk = link3_from(x, w, bias, first)?;
+    let tv = link2_from(x, &qk.token, second)?;
     Ok(QkvChunks { qk, keys: QkChunks::keys(&keys)?, v: tv })
 }
 

@@ -77,6 +77,21 @@ pub fn trained_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(w, TrainedLinear)
 }
 
+/// [`trained_linear`] (or [`frozen_linear`] where the weight tracks no gradient), its output
+/// linked to the one op that reads it (see `ops::link`): d(y) reaches this product's backward
+/// without the zero-filled buffer and add that candle's graph gives each edge.
+pub(crate) fn linked_linear(x: &Tensor, w: &Tensor) -> Result<super::link::Linked> {
+    let (out, inp) = w.dims2()?;
+    if x.dims().last() != Some(&inp) || !w.is_contiguous() {
+        candle_core::bail!("projection: input {:?}, weight [{out}, {inp}] (contiguous rows)", x.shape());
+    }
+    let x = x.contiguous()?;
+    match w.track_op() {
+        true => super::link::link2(&x, w, TrainedLinear),
+        false => super::link::link1(&x, FrozenLinear::new(w)),
+    }
+}
+
 struct TrainedLinear;
 
 impl CustomOp2 for TrainedLinear {

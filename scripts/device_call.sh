@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# One GPU call comparing two builds of statecut, NEW and OLD, stage by stage, within LIMIT
+# seconds; each stage's logs are packed into $OUT/<stage>.tgz as it ends, so a call cut short
+# returns what it finished. Run on the GPU machine from the repository root:
+#
+#   NEW=a OLD=b STAGES="parity budget" LIMIT=560 ROUNDS=2 bash scripts/device_call.sh
+#
+# BUNDLES (default .dev/bundles) holds one <build>/bins.tar.xz per build, a tar of <build>/
+# with the stripped release binaries statecut, gpu_parity and recurrence (benches/recurrence.rs),
+# each built with --features cuda; a stage skips a binary the tar lacks. COMMON (default
+# .dev/common) holds whl/ (fla), tokenizer/ (tokenizer files for the random checkpoints) and
+# shared/data/calib/ (calibration text). Stages, NEW and OLD taking turns where both run:
+#   parity   the CUDA parity tests of NEW
+#   mixer    the recurrence alone (chunk kernels, forward and forward + backward, bf16) at the
+#            pruned DeltaNet's, the pruned Gated DeltaNet's and dk 128 shapes, ROUNDS rounds
+#   ncu      per-kernel GPU time of the chunk kernels, OLD and NEW, from ncu
+#   ncuall   per-kernel GPU time of every kernel of NEW's recurrence bench
+#   rec      recovery of the 1.3B DeltaNet and Gated DeltaNet (scripts/gpu_bench.sh recover:NAME,
+#            16 x 2048 tokens, 6 steps, --recompute auto), ROUNDS rounds, the first build of a
+#            round alternating
+#   budget   the same within --train-memory 45GiB
+#   fla      fla's chunk_delta_rule beside NEW's recurrence at dk 64 and 128
+set -u
+NEW=${NEW:?NEW names the build under test}
+OLD=${OLD:-}
+BUNDLES=${BUNDLES:-.dev/bundles}
+COMMON=${COMMON:-.dev/common}
+LIMIT=${LIMIT:-560}
+ROUNDS=${ROUNDS:-2}
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+R=${OUT:-/tmp/out}; W=/tmp/device_call; mkdir -p "$R"; rm -rf $W /tmp/bins /tmp/bund_*; mkdir -p $W /tmp/bins
+for b in $NEW $OLD; do xz -dc "$BUNDLES/$b/bins.tar.xz" | tar -x -C /tmp/bins || exit 1; done
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$COMMON"/whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site
+LIBS=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="$LIBS:/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+left() { echo $((LIMIT - ($(date +%s) - t0))); }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+
+st_parity() {
+  timeout 150 /tmp/bins/$NEW/gpu_parity --test-threads 1 > $1/parity_$NEW.log 2>&1
+  echo "parity $NEW rc $?"; grep -E "test result" $1/parity_$NEW.log; grep -E "FAILED|panicked" $1/parity_$NEW.log | head -5
+}
+
+# The recurrence alone for the builds in $1, in that order, at the three shapes.
+mixer_round() {
+  for s in "16,2048,16,64,128 none" "16,2048,8,128,256 head" "16,2048,16,128,128 none"; do
+    set -- $s
+    for b in $order; do
+      /tmp/bins/$b/recurrence --shape $1 --decay $2 --iterations 5 --forms chunked-kernels --grad seed 2>>$W/mixer/mixer.log |
+        sed "s/^{/{\"build\":\"$b\",/" | tee -a $W/mixer/mixer.jsonl | python3 -c 'import json,sys
+for l in sys.stdin: r=json.loads(l); print(r["build"], r["b"], r["h"], r["dk"], r["dv"], r["decay"], r["pass"], round(r["ms"],3))'
+    done
+  done
+}
+st_mixer() {
+  for r in $(seq $ROUNDS); do
+    if ((r % 2)); then order="$OLD $NEW"; else order="$NEW $OLD"; fi
+    mixer_round
+  done
+}
+
+ncu_times() { # build shape decay name filter
+  timeout 90 $NCU --clock-control none --metrics gpu__time_duration.sum --csv --print-units base $5 \
+    /tmp/bins/$1/recurrence --shape $2 --decay $3 --iterations 1 --forms chunked-kernels --grad seed > $W/ncu_$1_$4.csv 2> $W/ncu_$1_$4.log
+  python3 scripts/kernel_times.py $W/ncu_$1_$4.csv --top 40 > $6/t_$1_$4.txt 2>&1
+  echo "== ncu $1 $4"; sed -n '/top/,$p' $6/t_$1_$4.txt
+}
+st_ncu() {
+  for b in $OLD $NEW; do
+    ncu_times $b 16,2048,16,64,128 none dn "-k regex:chunk_|_chunks" $1
+    ncu_times $b 16,2048,8,128,256 head gdn "-k regex:chunk_|_chunks" $1
+  done
+}
+st_ncuall() {
+  ncu_times $NEW 16,2048,16,64,128 none dn "" $1
+  ncu_times $NEW 16,2048,8,128,256 head gdn "" $1
+}
+
+# A gpu_bench.sh bundle with build $1 as statecut and $2 as statecut_before.
+bundle() {
+  local d=/tmp/bund_$1_$2
+  if [ ! -d $d ]; then
+    mkdir -p $d/shared/data; cp -r "$COMMON"/whl "$COMMON"/tokenizer $d/; cp -r "$COMMON"/shared/data/calib $d/shared/data/
+    xz -0 -T0 -c /tmp/bins/$1/statecut > $d/statecut.xz; xz -0 -T0 -c /tmp/bins/$2/statecut > $d/statecut_before.xz
+  fi
+  echo $d
+}
+# Recovery of both 1.3B checkpoints, each build in turn; $2: extra recover flags.
+recover_round() {
+  local d=$1/round$3; mkdir -p $d; rm -rf /tmp/gpu_bench_results
+  BEFORE=1 RECOVER_REFERENCE=0 RECOVER_STEPS=6 RECOVER_ARGS="$2" \
+    bash scripts/gpu_bench.sh "$(bundle $4 $5)" $d recover:delta_net_1p3b recover:gdn_1p3b > $d/stdout.txt 2>&1
+  mkdir -p $d/x; tar xzf $d/results.tgz -C $d/x 2>/dev/null
+  python3 - $d $4 $5 <<'PY'
+import glob, json, sys
+d, first, second = sys.argv[1:]
+for f in sorted(glob.glob(d + "/x/recover_statecut_*.json")):
+    if f.endswith("_peak.json"):
+        continue
+    r = json.load(open(f)); h = r["history"]
+    name = f.split("/")[-1][len("recover_statecut_"):-len(".json")]
+    name = name[:-len("_before")] + " " + second if name.endswith("_before") else name + " " + first
+    print(name, [round(s["seconds"], 3) for s in h], [round(s["loss"], 4) for s in h],
+          round(r.get("peak_memory_bytes", 0) / 2**30, 2), round(r["tokens_per_second"]))
+PY
+  rm -rf $d/x
+}
+recover_rounds() {
+  for r in $(seq $ROUNDS); do
+    if ((r % 2)); then recover_round $1 "$2" $r $NEW $OLD; else recover_round $1 "$2" $r $OLD $NEW; fi
+  done
+}
+st_rec() { recover_rounds $1 ""; }
+st_budget() { recover_rounds $1 "--train-memory 45GiB"; }
+
+st_fla() {
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  for s in 16,2048,16,64,128 16,2048,16,128,128; do
+    timeout 120 python3 scripts/recurrence_reference.py --shape $s --decay none --iterations 5 --grad seed >> $1/fla.jsonl 2>> $1/fla.log
+    /tmp/bins/$NEW/recurrence --shape $s --decay none --iterations 5 --forms chunked-kernels --grad seed >> $1/statecut.jsonl 2>> $1/statecut.log
+  done
+  python3 - $1 <<'PY'
+import json, sys
+for f in ("fla", "statecut"):
+    for l in open(sys.argv[1] + "/" + f + ".jsonl"):
+        try:
+            r = json.loads(l)
+        except ValueError:
+            continue
+        print(f, r.get("form"), r.get("dk"), r.get("pass"), round(r["ms"], 3))
+PY
+}
+
+# Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60)
+for s in ${STAGES:-parity budget}; do
+  if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
+  mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"
+  st_$s $W/$s 2>&1 | tee $W/$s/out.txt
+  tar -czf $R/$s.tgz -C $W/$s . 2>/dev/null
+done
+echo "=== end at $(($(date +%s) - t0)) s"
