@@ -778,7 +778,7 @@ fn conv_and_norm_gradients_match_cpu() {
                     let (gate_up, down) = (w(&[2 * n, 64], 34).unwrap(), w(&[64, n], 35).unwrap());
                     let h = t[0].to_dtype(dt).unwrap();
                     if !composed || dev.is_cpu() {
-                        return statecut::ops::mlp::frozen_mlp_step(&h, &t[1], 1e-6, &gate_up, &down).unwrap();
+                        return statecut::ops::mlp::frozen_mlp_step(&h, None, &t[1], 1e-6, &gate_up, &down).unwrap();
                     }
                     let x = RmsNorm::new(t[1].clone(), 1e-6, NormWeight::Plain).unwrap().forward(&h).unwrap();
                     (&h + statecut::ops::mlp::frozen_swiglu_mlp(&x, &gate_up, &down).unwrap()).unwrap()

@@ -144,12 +144,10 @@ impl layered::Block for Layer {
         let mut pending: Option<Tensor> = None;
         for s in &self.steps {
             if let Some(FrozenMlp { norm: (w, eps), gate_up, down }) = s.frozen_mlp(&h, pending.as_ref())? {
-                // With gradients, the whole step is one op (see `ops::mlp::frozen_mlp_step`).
-                if let Some(y) = pending.take() {
-                    h = (h + y)?;
-                }
+                // With gradients, the whole step is one op, the last step's output added inside
+                // it (see `ops::mlp::frozen_mlp_step`).
                 let _s = span("mlp", dev);
-                h = crate::ops::mlp::frozen_mlp_step(&h, &w, eps, gate_up, down)?;
+                h = crate::ops::mlp::frozen_mlp_step(&h, pending.take().as_ref(), &w, eps, gate_up, down)?;
                 continue;
             }
             let x = {

@@ -233,7 +233,18 @@ impl FrozenMlp {
 /// the MLP, the MLP's output into the sum, each costing candle's backward a zero-filled buffer
 /// and an add; here it has one, the norm's backward adds the step's output gradient to its own
 /// in one kernel, and the graph keeps gate|up's output alone.
-pub fn frozen_mlp_step(h: &Tensor, norm_w: &Tensor, eps: f64, gate_up: &Tensor, down: &Tensor) -> Result<Tensor> {
+///
+/// `pending`: the last step's output, added into h inside the op (h + pending is the residual
+/// stream this step norms and adds to). As a sum before the op, the sum was one more edge of
+/// that size in candle's graph; here the op hands the sum's gradient to both.
+pub fn frozen_mlp_step(
+    h: &Tensor,
+    pending: Option<&Tensor>,
+    norm_w: &Tensor,
+    eps: f64,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
     let ((two_n, inp), (out, n)) = (gate_up.dims2()?, down.dims2()?);
     let ok = h.dims().last() == Some(&inp)
         && out == inp
@@ -252,8 +263,18 @@ pub fn frozen_mlp_step(h: &Tensor, norm_w: &Tensor, eps: f64, gate_up: &Tensor, 
             down.shape()
         );
     }
+    if pending.is_some_and(|y| y.shape() != h.shape() || y.dtype() != h.dtype()) {
+        candle_core::bail!("MLP step: the pending output {:?} is not h's {:?}", pending.map(Tensor::shape), h.shape());
+    }
     let mlp = FrozenMlp { gate_up: gate_up.detach(), down: down.detach(), gu: Mutex::new(None) };
-    h.contiguous()?.apply_op2(&norm_w.contiguous()?, MlpStep { mlp, eps: eps as f32 })
+    let step = MlpStep { mlp, eps: eps as f32 };
+    match pending {
+        None => h.contiguous()?.apply_op2(&norm_w.contiguous()?, step),
+        Some(y) => {
+            let op = MlpStepOnSum { step, sum: Mutex::new(None) };
+            h.contiguous()?.apply_op3(&y.contiguous()?, &norm_w.contiguous()?, op)
+        }
+    }
 }
 
 struct MlpStep {
@@ -286,11 +307,84 @@ impl CustomOp2 for MlpStep {
     }
 
     fn bwd(&self, h: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dh, dw) = self.grads(h, w, grad)?;
+        Ok((Some(dh), Some(dw)))
+    }
+}
+
+impl MlpStep {
+    /// d(h) and d(norm weight) of the step on the residual stream h.
+    fn grads(&self, h: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let h = h.detach();
         let plain = GatedRms::plain(self.eps);
         let dx = self.mlp.input_grad(|| h.apply_op3_no_bwd(&h, &w.detach(), &plain), &h, grad)?;
-        let (dh, dw) = super::norm::rms_residual_backward(&h, w, &dx, grad, self.eps as f64)?;
-        Ok((Some(dh), Some(dw)))
+        super::norm::rms_residual_backward(&h, w, &dx, grad, self.eps as f64)
+    }
+}
+
+/// [`MlpStep`] on h + y over (h, y, norm weight), the sum made in the op (rounded once, as
+/// candle's add rounds it) and kept for the backward, which gives h and y its gradient.
+struct MlpStepOnSum {
+    step: MlpStep,
+    sum: Mutex<Option<Tensor>>,
+}
+
+impl MlpStepOnSum {
+    fn keep(&self, s: candle_core::Storage, shape: Shape) -> Result<()> {
+        let s = Tensor::from_storage(s, shape, candle_core::op::BackpropOp::none(), false);
+        *self.sum.lock().map_err(|_| candle_core::Error::Msg("MLP step: a forward panicked".into()))? = Some(s);
+        Ok(())
+    }
+}
+
+impl CustomOp3 for MlpStepOnSum {
+    fn name(&self) -> &'static str {
+        "statecut-frozen-mlp-step-on-sum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        h: &CpuStorage,
+        hl: &Layout,
+        y: &CpuStorage,
+        yl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let s = h.binary_impl::<candle_core::op::Add>(y, hl, yl)?;
+        let out = self.step.cpu_fwd(&s, &Layout::contiguous(hl.shape()), w, wl)?;
+        self.keep(Storage::Cpu(s), hl.shape().clone())?;
+        Ok(out)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        y: &candle_core::CudaStorage,
+        yl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let s = h.binary_impl::<candle_core::op::Add>(y, hl, yl)?;
+        let out = self.step.cuda_fwd(&s, &Layout::contiguous(hl.shape()), w, wl)?;
+        self.keep(Storage::Cuda(s), hl.shape().clone())?;
+        Ok(out)
+    }
+
+    fn bwd(
+        &self,
+        _h: &Tensor,
+        _y: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = self.sum.lock().map_err(|_| candle_core::Error::Msg("MLP step: a forward panicked".into()))?.clone();
+        let s = s.ok_or_else(|| candle_core::Error::Msg("MLP step: the forward left no sum".into()))?;
+        let (ds, dw) = self.step.grads(&s, w, grad)?;
+        Ok((Some(ds.clone()), Some(ds), Some(dw)))
     }
 }
 
@@ -381,10 +475,11 @@ mod tests {
         Ok(())
     }
 
-    /// The residual step's output and its gradients in h and the norm weight equal those of
-    /// its ops (the norm in float32 ops, the frozen MLP, the sum) in float32 and bf16, over a
-    /// second backward of the same graph; a down projection that does not return to h's width
-    /// is refused.
+    /// The residual step's output and its gradients in h, the pending output and the norm
+    /// weight equal those of its ops (the sum h + pending, the norm in float32 ops, the frozen
+    /// MLP, the residual sum) in float32 and bf16, with and without a pending output, over a
+    /// second backward of the same graph; a down projection that does not return to h's width,
+    /// or a pending output of another shape, is refused.
     #[test]
     fn mlp_step_matches_its_ops() -> Result<()> {
         let dev = Device::Cpu;
@@ -394,32 +489,53 @@ mod tests {
         let w = candle_core::Var::from_tensor(&(Tensor::randn(0f32, 0.3, d, &dev)? + 1.0)?)?;
         for dtype in [DType::F32, DType::BF16] {
             let (wg, wd) = (gate_up.to_dtype(dtype)?, down.to_dtype(dtype)?);
-            let h = candle_core::Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 3, d), &dev)?.to_dtype(dtype)?)?;
-            let dy = Tensor::randn(0f32, 1.0, (2, 3, d), &dev)?;
-            let f = |t: &Tensor| t.to_dtype(DType::F32);
-            let diff =
-                |a: &Tensor, b: &Tensor| -> Result<f32> { (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>() };
-            let tol = if dtype == DType::F32 { 1e-5 } else { 8e-2 };
-            let fast = frozen_mlp_step(h.as_tensor(), w.as_tensor(), eps, &wg, &wd)?;
-            let x = f(h.as_tensor())?;
-            let ms = x.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
-            let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w.as_tensor())?.to_dtype(dtype)?;
-            let slow = (h.as_tensor() + frozen_swiglu_mlp(&normed, &wg, &wd)?)?;
-            assert!(diff(&fast, &slow)? < tol, "{dtype:?}: outputs differ by {}", diff(&fast, &slow)?);
-            let loss = (f(&fast)? * &dy)?.sum_all()?;
-            let gs = (f(&slow)? * &dy)?.sum_all()?.backward()?;
-            for pass in 0..2 {
-                let gf = loss.backward()?;
-                for (what, v) in [("h", h.as_tensor()), ("norm weight", w.as_tensor())] {
-                    let (a, b) = (gf.get(v).expect("gradient"), gs.get(v).expect("gradient"));
-                    let scale = f(b)?.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
-                    let err = diff(a, b)? / scale;
-                    assert!(err < tol, "{dtype:?} backward {pass}: {what} gradients differ by {err}");
+            for pending in [false, true] {
+                let var = |s: f32| -> Result<candle_core::Var> {
+                    candle_core::Var::from_tensor(&Tensor::randn(0f32, s, (2, 3, d), &dev)?.to_dtype(dtype)?)
+                };
+                let (h, y) = (var(1.0)?, var(0.5)?);
+                let dy = Tensor::randn(0f32, 1.0, (2, 3, d), &dev)?;
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                let diff =
+                    |a: &Tensor, b: &Tensor| -> Result<f32> { (f(a)? - f(b)?)?.abs()?.max_all()?.to_scalar::<f32>() };
+                let tol = if dtype == DType::F32 { 1e-5 } else { 8e-2 };
+                let y_in = pending.then_some(y.as_tensor());
+                let fast = frozen_mlp_step(h.as_tensor(), y_in, w.as_tensor(), eps, &wg, &wd)?;
+                let stream = match y_in {
+                    Some(y) => (h.as_tensor() + y)?,
+                    None => h.as_tensor().clone(),
+                };
+                let x = f(&stream)?;
+                let ms = x.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+                let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w.as_tensor())?.to_dtype(dtype)?;
+                let slow = (&stream + frozen_swiglu_mlp(&normed, &wg, &wd)?)?;
+                assert!(diff(&fast, &slow)? < tol, "{dtype:?}: outputs differ by {}", diff(&fast, &slow)?);
+                let loss = (f(&fast)? * &dy)?.sum_all()?;
+                let gs = (f(&slow)? * &dy)?.sum_all()?.backward()?;
+                for pass in 0..2 {
+                    let gf = loss.backward()?;
+                    let vars = [("h", h.as_tensor()), ("pending", y.as_tensor()), ("norm weight", w.as_tensor())];
+                    for (what, v) in vars {
+                        let (a, b) = (gf.get(v), gs.get(v));
+                        if what == "pending" && !pending {
+                            assert!(a.is_none() && b.is_none());
+                            continue;
+                        }
+                        let (a, b) = (a.expect("gradient"), b.expect("gradient"));
+                        let scale = f(b)?.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                        let err = diff(a, b)? / scale;
+                        assert!(
+                            err < tol,
+                            "{dtype:?} pending {pending} backward {pass}: {what} gradients differ by {err}"
+                        );
+                    }
                 }
             }
         }
         let h = Tensor::zeros((2, d), DType::F32, &dev)?;
-        assert!(frozen_mlp_step(&h, w.as_tensor(), eps, &gate_up, &down.narrow(0, 0, d - 1)?).is_err());
+        assert!(frozen_mlp_step(&h, None, w.as_tensor(), eps, &gate_up, &down.narrow(0, 0, d - 1)?).is_err());
+        let wrong = Tensor::zeros((2, d - 1), DType::F32, &dev)?;
+        assert!(frozen_mlp_step(&h, Some(&wrong), w.as_tensor(), eps, &gate_up, &down).is_err());
         Ok(())
     }
 }
