@@ -355,6 +355,26 @@ impl LinearAttention {
                 (None, None) => heads_qk_linked(&candle_nn::ops::silu(&p.qkv)?, hq, hk, hv, c)?,
             }
         };
+        // With a frozen output projection the norm and projection are one op, o's one reader:
+        // o goes to it linked.
+        let d = self.dims;
+        let gate = match self.gate {
+            OutputGate::None => Some(None),
+            OutputGate::Silu => p.z.as_ref().map(Some),
+            OutputGate::SigmoidLowRank { .. } => None,
+        };
+        let (b, t, _) = x.dims3()?;
+        let through = self
+            .o_proj
+            .frozen_weight()
+            .filter(|w| p.qkv.dtype() == x.dtype() && self.norm.projects_linked_heads(&[b, t, d.v_heads, d.dv], w));
+        if let (Some(gate), Some(w)) = (gate, through) {
+            let o = {
+                let _s = crate::profile::span("recurrence", x.device());
+                crate::ops::chunked::delta_linked_through(&qkv, &beta, g.as_ref(), scale)?
+            };
+            return Ok(self.norm.project_heads_linked(&o, gate, w)?);
+        }
         let o = {
             let _s = crate::profile::span("recurrence", x.device());
             crate::ops::chunked::delta_from_linked(&qkv, &beta, g.as_ref(), scale)?

@@ -71,37 +71,76 @@ pub(crate) struct Links<'a> {
 
 /// [`forward`] from q and k in chunks.
 pub(crate) fn forward_chunked(x: &Chunked, rec: &Rest, tensor: bool) -> Result<(Tensor, Tensor)> {
-    let (qk, c, t) = (x.qk, x.c, x.t);
-    let (n, bh, cc, dk2) = qk.dims4()?;
-    let (b, tv, h, dv) = rec.v.dims4()?;
-    let dk = dk2 / 2;
-    if cc != c || tv != t || n != t.div_ceil(c) || bh != b * h || x.keys.dims() != [n, bh, c, dk] {
-        candle_core::bail!(
-            "chunked recurrence: q | k {:?} and keys {:?} are not chunks of {c} of values {:?}",
-            qk.shape(),
-            x.keys.shape(),
-            rec.v.shape()
-        );
+    let p = Prepared::run(x, rec, tensor)?;
+    let (qk_node, v_node) = x.nodes(rec);
+    if super::untracked(&[qk_node, v_node, &p.scal]) {
+        let o = from_chunks(&p.saved.take_outputs()?, p.s.b, p.s.t, p.s.h, rec.v.dtype())?;
+        return Ok((o, p.saved.state.reshape(p.state_shape())?));
     }
-    let mut scalars = vec![rec.beta.to_dtype(DType::F32)?.flatten_all()?];
-    for x in [rec.g, rec.initial].into_iter().flatten() {
-        scalars.push(x.to_dtype(DType::F32)?.flatten_all()?);
-    }
-    let scal = Tensor::cat(&scalars, 0)?;
-    let shape = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
-    let saved = Saved::run(&qk.detach(), x.keys, &rec.v.detach(), &scal.detach(), shape, rec, tensor)?;
-    let state_shape = (b, h, dk, dv);
-    // In the graph a linked input is its token.
-    let (qk_node, v_node) = (x.links.qk.map_or(qk, |l| &l.token), x.links.v.map_or(rec.v, |l| &l.token));
-    if super::untracked(&[qk_node, v_node, &scal]) {
-        let o = from_chunks(&saved.take_outputs()?, b, t, h, rec.v.dtype())?;
-        return Ok((o, saved.state.reshape(state_shape)?));
-    }
-    let links = [x.links.qk.map(|l| l.link.clone()), x.links.v.map(|l| l.link.clone())];
-    let saved = Arc::new(saved);
-    let o = qk_node.apply_op3(v_node, &scal, Output { saved: saved.clone(), state: false, links: links.clone() })?;
-    let state = qk_node.apply_op3(v_node, &scal, Output { saved, state: true, links })?;
+    let (links, state_shape) = (x.link_pair(), p.state_shape());
+    let saved = Arc::new(p.saved);
+    let o = qk_node.apply_op3(v_node, &p.scal, Output { saved: saved.clone(), state: false, links: links.clone() })?;
+    let state = qk_node.apply_op3(v_node, &p.scal, Output { saved, state: true, links })?;
     Ok((o, state.reshape(state_shape)?))
+}
+
+/// [`forward_chunked`]'s outputs o alone, linked to the one op that reads them (see `ops::link`),
+/// for a recurrence a gradient flows through.
+pub(crate) fn forward_chunked_linked(x: &Chunked, rec: &Rest, tensor: bool) -> Result<Linked> {
+    let p = Prepared::run(x, rec, tensor)?;
+    let (qk_node, v_node) = x.nodes(rec);
+    if super::untracked(&[qk_node, v_node, &p.scal]) {
+        candle_core::bail!("chunked recurrence: a linked output needs a gradient flowing");
+    }
+    let op = Output { saved: Arc::new(p.saved), state: false, links: x.link_pair() };
+    super::link::link3(qk_node, v_node, &p.scal, op)
+}
+
+impl Chunked<'_> {
+    /// q | k's and the values' nodes in the graph: a linked input is its token.
+    fn nodes<'b>(&'b self, rec: &'b Rest) -> (&'b Tensor, &'b Tensor) {
+        (self.links.qk.map_or(self.qk, |l| &l.token), self.links.v.map_or(rec.v, |l| &l.token))
+    }
+
+    fn link_pair(&self) -> [Option<Link>; 2] {
+        [self.links.qk.map(|l| l.link.clone()), self.links.v.map(|l| l.link.clone())]
+    }
+}
+
+/// The forward's saved steps and the scalars β | g | S₀ flat, what both forms of the op share.
+struct Prepared {
+    saved: Saved,
+    scal: Tensor,
+    s: Sizes,
+}
+
+impl Prepared {
+    fn run(x: &Chunked, rec: &Rest, tensor: bool) -> Result<Self> {
+        let (qk, c, t) = (x.qk, x.c, x.t);
+        let (n, bh, cc, dk2) = qk.dims4()?;
+        let (b, tv, h, dv) = rec.v.dims4()?;
+        let dk = dk2 / 2;
+        if cc != c || tv != t || n != t.div_ceil(c) || bh != b * h || x.keys.dims() != [n, bh, c, dk] {
+            candle_core::bail!(
+                "chunked recurrence: q | k {:?} and keys {:?} are not chunks of {c} of values {:?}",
+                qk.shape(),
+                x.keys.shape(),
+                rec.v.shape()
+            );
+        }
+        let mut scalars = vec![rec.beta.to_dtype(DType::F32)?.flatten_all()?];
+        for x in [rec.g, rec.initial].into_iter().flatten() {
+            scalars.push(x.to_dtype(DType::F32)?.flatten_all()?);
+        }
+        let scal = Tensor::cat(&scalars, 0)?;
+        let s = Sizes { b, t, h, c, dk, dv, gated: rec.g.is_some(), initial: rec.initial.is_some() };
+        let saved = Saved::run(&qk.detach(), x.keys, &rec.v.detach(), &scal.detach(), s, rec, tensor)?;
+        Ok(Self { saved, scal, s })
+    }
+
+    fn state_shape(&self) -> (usize, usize, usize, usize) {
+        (self.s.b, self.s.h, self.s.dk, self.s.dv)
+    }
 }
 
 /// The recurrence's sizes, and which of the optional inputs the scalars carry.

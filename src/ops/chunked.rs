@@ -169,20 +169,38 @@ pub fn delta_from_chunks(
     g: Option<&Tensor>,
     scale: f64,
 ) -> Result<Tensor> {
-    use super::chunk_recurrence::Links;
-    delta_in_chunks(qk, keys, v, Links::default(), beta, g, scale)
+    delta_in_chunks(qk, keys, v, super::chunk_recurrence::Links::default(), beta, g, scale, outputs)
 }
 
 /// [`delta_from_chunks`] from q | k and v linked to it (`prep::heads_qk_linked` and
 /// `prep::conv_heads_qk_linked`), whose gradients then go through the links.
 pub fn delta_from_linked(x: &super::prep::QkvChunks, beta: &Tensor, g: Option<&Tensor>, scale: f64) -> Result<Tensor> {
     let links = super::chunk_recurrence::Links { qk: Some(&x.qk), v: Some(&x.v) };
-    delta_in_chunks(&x.qk.value, &x.keys, &x.v.value, links, beta, g, scale)
+    delta_in_chunks(&x.qk.value, &x.keys, &x.v.value, links, beta, g, scale, outputs)
+}
+
+/// [`delta_from_linked`] with o linked in turn to the one op that reads it (the output norm
+/// and projection, `RmsNorm::project_heads_linked`).
+pub(crate) fn delta_linked_through(
+    x: &super::prep::QkvChunks,
+    beta: &Tensor,
+    g: Option<&Tensor>,
+    scale: f64,
+) -> Result<super::link::Linked> {
+    let links = super::chunk_recurrence::Links { qk: Some(&x.qk), v: Some(&x.v) };
+    let run = super::chunk_recurrence::forward_chunked_linked;
+    delta_in_chunks(&x.qk.value, &x.keys, &x.v.value, links, beta, g, scale, run)
+}
+
+/// The recurrence's outputs o, the final state dropped.
+fn outputs(x: &super::chunk_recurrence::Chunked, rest: &super::chunk_recurrence::Rest, tensor: bool) -> Result<Tensor> {
+    Ok(super::chunk_recurrence::forward_chunked(x, rest, tensor)?.0)
 }
 
 /// What [`delta_from_chunks`] and [`delta_from_linked`] run: q | k, keys and v as values, and
-/// the links the values came through where they did.
-fn delta_in_chunks(
+/// the links the values came through where they did, by `run` (the recurrence's op giving o).
+#[allow(clippy::too_many_arguments)]
+fn delta_in_chunks<R>(
     qk: &Tensor,
     keys: &Tensor,
     v: &Tensor,
@@ -190,12 +208,13 @@ fn delta_in_chunks(
     beta: &Tensor,
     g: Option<&Tensor>,
     scale: f64,
-) -> Result<Tensor> {
-    use super::chunk_recurrence::{forward_chunked, Chunked, Rest};
+    run: impl FnOnce(&super::chunk_recurrence::Chunked, &super::chunk_recurrence::Rest, bool) -> Result<R>,
+) -> Result<R> {
+    use super::chunk_recurrence::{Chunked, Rest};
     let t = v.dim(1)?;
     let rest = Rest { v, beta, g, initial: None, scale, rule: super::recurrence::Rule::Delta };
     let x = Chunked { qk, keys, t, c: chunk_len(t), links };
-    Ok(forward_chunked(&x, &rest, v.dtype() != DType::F32)?.0)
+    run(&x, &rest, v.dtype() != DType::F32)
 }
 
 /// Whether the chunk kernels may multiply on tensor cores: the values come in a 16-bit dtype
@@ -631,6 +650,72 @@ mod tests {
                         }
                         let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
                         assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, trained {trained})");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// o linked from the recurrence to the output norm and projection
+    /// (`delta_linked_through`, `RmsNorm::project_heads_linked`) gives the outputs and gradients
+    /// of the tracked chain (`norm_projected` on o), bit for bit: ungated and gated by silu(z),
+    /// float32 and bf16, over two backwards.
+    #[test]
+    fn a_linked_output_matches_a_tracked_one() -> Result<()> {
+        use crate::ops::link::Operand;
+        use crate::ops::norm::{norm_projected, NormWeight, RmsNorm};
+        use crate::ops::prep::{conv_heads_qk_linked, Heads};
+        let mut rng = StdRng::seed_from_u64(41);
+        let (b, t, h, dk, dv, taps, out) = (2, 70, 2, 8, 6, 4, 5);
+        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
+        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
+        let width = 2 * h * dk + h * dv;
+        let c = chunk_len(t);
+        for dtype in [DType::F32, DType::BF16] {
+            for gated in [false, true] {
+                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
+                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
+                };
+                let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
+                let w = var(&[width, taps], -0.5, 0.5, dtype)?;
+                let bias = var(&[width], -0.5, 0.5, dtype)?;
+                let (beta, g) = (var(&[b, t, h], 0.1, 0.9, DType::F32)?, var(&[b, t, h], -0.3, -0.01, DType::F32)?);
+                let nw = var(&[dv], 0.5, 1.5, DType::F32)?;
+                let z = var(&[b, t, h * dv], -1.0, 1.0, dtype)?;
+                let proj = rand(&[out, h * dv], &mut rng, -0.5, 0.5).to_dtype(dtype)?;
+                let wo = rand(&[b, t, out], &mut rng, -1.0, 1.0);
+                let norm = RmsNorm::new(nw.as_tensor().clone(), 1e-6, NormWeight::Plain)?;
+                let gate = gated.then_some(z.as_tensor());
+                let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), bias.as_tensor());
+                let inputs = || conv_heads_qk_linked(Operand::Tracked(xt), wt, bt, q, k, v, c);
+                let tracked = || -> Result<Tensor> {
+                    let o = delta_from_linked(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
+                    norm_projected(Operand::Tracked(&o), gate, nw.as_tensor(), 1e-6, &proj)
+                };
+                let linked = || -> Result<Tensor> {
+                    assert!(norm.projects_linked_heads(&[b, t, h, dv], &proj));
+                    let o = delta_linked_through(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
+                    norm.project_heads_linked(&o, gate, &proj)
+                };
+                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
+                let (want, got) = (tracked()?, linked()?);
+                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, gated {gated})");
+                let want = loss(&want)?.backward()?;
+                let got_loss = loss(&got)?;
+                for pass in 0..2 {
+                    let got = got_loss.backward()?;
+                    let vars =
+                        [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g), ("norm", &nw), ("z", &z)];
+                    for (name, v) in vars {
+                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
+                        if name == "z" && !gated {
+                            assert!(a.is_none() && e.is_none(), "an unread gate took a gradient");
+                            continue;
+                        }
+                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
+                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, gated {gated})");
                     }
                 }
             }

@@ -247,6 +247,11 @@ impl<P> Reader<P> {
     }
 }
 
+/// `op` on (x, y, z), reading x linked: the op's output is an ordinary node of the graph.
+pub(crate) fn read3<P: CustomOp3 + Send + Sync + 'static>(x: &Linked, y: &Tensor, z: &Tensor, op: P) -> Result<Tensor> {
+    x.token.apply_op3(y, z, Reader::new(x, op))
+}
+
 /// `op` on (x, y), x an operand that may be linked, its output linked in turn (see [`link2`]).
 pub(crate) fn link2_from<P: CustomOp2 + Send + Sync + 'static>(x: Operand, y: &Tensor, op: P) -> Result<Linked> {
     match x {

@@ -1,6 +1,7 @@
 //! RMS and L2 normalisation, computed in float32 whatever the weight dtype.
 
 use super::derived::Derived;
+use super::link::Operand;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D};
 
 /// How a norm applies its weight: fla/mamba use `x̂·w`, Qwen3.5 decoder norms `x̂·(1+w)`.
@@ -144,7 +145,29 @@ impl RmsNorm {
         if !fits || !tracked || !rms_grad_applies(x) {
             return Ok(None);
         }
-        norm_projected(x, gate, &weight, self.eps, w).map(Some)
+        norm_projected(Operand::Tracked(x), gate, &weight, self.eps, w).map(Some)
+    }
+
+    /// Whether [`Self::project_heads_linked`] takes o [.., heads, n] of `dims` and the frozen
+    /// output projection `w`: w's inputs the heads' width, w contiguous and frozen.
+    pub fn projects_linked_heads(&self, dims: &[usize], w: &Tensor) -> bool {
+        let width = dims.len().checked_sub(2).map(|i| dims[i] * dims[i + 1]);
+        w.rank() == 2 && w.is_contiguous() && width == w.dims().get(1).copied() && super::untracked(&[w])
+    }
+
+    /// [`Self::project_heads`] of o linked from the recurrence (see `ops::link`), where
+    /// [`Self::projects_linked_heads`] holds: its gradient goes to the recurrence's backward
+    /// without an edge of candle's graph.
+    pub(crate) fn project_heads_linked(
+        &self,
+        x: &super::link::Linked,
+        gate: Option<&Tensor>,
+        w: &Tensor,
+    ) -> Result<Tensor> {
+        if !self.projects_linked_heads(x.value.dims(), w) || !x.value.is_contiguous() {
+            candle_core::bail!("norm projection: o {:?} linked, projection {:?}", x.value.shape(), w.shape());
+        }
+        norm_projected(Operand::Linked(x), gate, &self.weight.get()?, self.eps, w)
     }
 
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
@@ -175,19 +198,38 @@ fn rms_grad(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64) -> Res
 
 /// [`RmsNorm::project_heads`]' op, on any device: x [.., heads, n] normed (gated by `gate`
 /// [.., heads·n] when given) into the gate's layout, then times `proj`ᵀ.
-fn norm_projected(x: &Tensor, gate: Option<&Tensor>, weight: &Tensor, eps: f64, proj: &Tensor) -> Result<Tensor> {
-    let x = x.contiguous()?;
-    let dims = x.dims();
+/// x may come linked from the recurrence (see [`RmsNorm::project_heads_linked`]).
+pub(crate) fn norm_projected(
+    x: Operand,
+    gate: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+    proj: &Tensor,
+) -> Result<Tensor> {
+    let laid;
+    let x = match x {
+        Operand::Tracked(x) => {
+            laid = x.contiguous()?;
+            Operand::Tracked(&laid)
+        }
+        linked => linked,
+    };
+    let value = x.value();
+    let dims = value.dims();
     let mut flat = dims[..dims.len() - 2].to_vec();
     flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
     let op = NormProjected {
         norm: GatedRms { eps: eps as f32, gated: gate.is_some() },
         proj: super::projection::FrozenLinear::new(proj),
     };
-    match gate {
-        Some(g) => x.apply_op3(&g.to_dtype(x.dtype())?.contiguous()?.reshape(flat)?, weight, op),
+    let gate = match gate {
+        Some(g) => g.to_dtype(value.dtype())?.contiguous()?.reshape(flat)?,
         // Ungated, the gate's place holds x itself, in the output's layout, and is never read.
-        None => x.apply_op3(&x.detach().reshape(flat)?, weight, op),
+        None => value.detach().reshape(flat)?,
+    };
+    match x {
+        Operand::Tracked(x) => x.apply_op3(&gate, weight, op),
+        Operand::Linked(l) => super::link::read3(l, &gate, weight, op),
     }
 }
 
@@ -733,7 +775,7 @@ mod tests {
             let proj = randn(&[7, 48], 0.2)?;
             let dy = Tensor::randn(0f32, 1.0, (2, 5, 7), &dev)?;
             let g = gated.then(|| gate.as_tensor());
-            let fast = norm_projected(x.as_tensor(), g, w.as_tensor(), 1e-5, &proj)?;
+            let fast = norm_projected(Operand::Tracked(x.as_tensor()), g, w.as_tensor(), 1e-5, &proj)?;
             let normed = match g {
                 Some(g) => rms_grad(x.as_tensor(), Some(g), w.as_tensor(), 1e-5)?,
                 None => {
