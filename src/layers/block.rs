@@ -14,6 +14,7 @@ use super::moe::Moe;
 use super::sse::{Implementation, SseMixer};
 use crate::model::layered;
 use crate::model::{LayerCache, Observer};
+use crate::ops::link::Made;
 use crate::ops::norm::RmsNorm;
 use crate::profile::span;
 use anyhow::Result;
@@ -35,6 +36,21 @@ pub enum Sublayer {
 }
 
 impl Sublayer {
+    /// [`Self::forward`]; `link_out`: the caller's next op takes the output linked where the
+    /// sublayer can make it so (a trained linear-attention mixer, see `ops::link`).
+    fn forward_made(
+        &self,
+        x: &Tensor,
+        obs: &mut dyn Observer,
+        cache: Option<&mut LayerCache>,
+        link_out: bool,
+    ) -> Result<Made> {
+        match self {
+            Sublayer::Linear(m) if link_out => m.forward_made(x, obs, cache, true),
+            _ => Ok(Made::Tracked(self.forward(x, obs, cache)?)),
+        }
+    }
+
     /// Token mixers read and update `cache`; feed-forward sublayers ignore it.
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
         match self {
@@ -110,16 +126,24 @@ impl Step {
     /// or the norm's weight), a frozen SwiGLU MLP (see `SwiGlu::frozen`) and no residual
     /// multiplier. Without gradients the fused kernels are faster, and on the CPU the ops are
     /// the reference.
-    fn frozen_mlp(&self, h: &Tensor, pending: Option<&Tensor>) -> Result<Option<FrozenMlp<'_>>> {
-        let Sublayer::Mlp(Mlp::SwiGlu(m)) = &self.sublayer else { return Ok(None) };
-        if self.scale != 1.0 || h.device().is_cpu() {
+    fn frozen_mlp(&self, h: &Tensor, pending: Option<&Made>) -> Result<Option<FrozenMlp<'_>>> {
+        if !self.may_take_frozen_mlp(h) {
             return Ok(None);
         }
+        let Sublayer::Mlp(Mlp::SwiGlu(m)) = &self.sublayer else { return Ok(None) };
         let (w, eps) = self.norm.applied()?;
-        if crate::ops::untracked(&[h, &w].into_iter().chain(pending).collect::<Vec<_>>()) {
+        if crate::ops::untracked(&[h, &w].into_iter().chain(pending.map(Made::node)).collect::<Vec<_>>()) {
             return Ok(None);
         }
         Ok(m.frozen(h).map(|(gate_up, down)| FrozenMlp { norm: (w, eps), gate_up, down }))
+    }
+
+    /// Whether this step takes `ops::mlp::frozen_mlp_step` once a gradient flows into it: a
+    /// frozen SwiGLU MLP, no residual multiplier, off the CPU. The step before may then link
+    /// its output to it.
+    fn may_take_frozen_mlp(&self, h: &Tensor) -> bool {
+        let Sublayer::Mlp(Mlp::SwiGlu(m)) = &self.sublayer else { return false };
+        self.scale == 1.0 && !h.device().is_cpu() && m.frozen(h).is_some()
     }
 }
 
@@ -140,21 +164,23 @@ impl layered::Block for Layer {
     fn forward(&self, h: &Tensor, obs: &mut dyn Observer, mut cache: Option<&mut LayerCache>) -> Result<Tensor> {
         let dev = h.device();
         let mut h = h.clone();
-        // The last step's output, added into the residual by the next step's norm.
-        let mut pending: Option<Tensor> = None;
-        for s in &self.steps {
+        // The last step's output, added into the residual by the next step's norm, or inside
+        // the next frozen MLP step, which may take it linked.
+        let mut pending: Option<Made> = None;
+        for (i, s) in self.steps.iter().enumerate() {
             if let Some(FrozenMlp { norm: (w, eps), gate_up, down }) = s.frozen_mlp(&h, pending.as_ref())? {
                 // With gradients, the whole step is one op, the last step's output added inside
                 // it (see `ops::mlp::frozen_mlp_step`).
                 let _s = span("mlp", dev);
-                h = crate::ops::mlp::frozen_mlp_step(&h, pending.take().as_ref(), &w, eps, gate_up, down)?;
+                let y = pending.take();
+                h = crate::ops::mlp::frozen_mlp_step_from(&h, y.as_ref().map(Made::operand), &w, eps, gate_up, down)?;
                 continue;
             }
             let x = {
                 let _s = span("norm", dev);
                 match pending.take() {
                     Some(y) => {
-                        let (sum, x) = s.norm.add_forward(&h, &y)?;
+                        let (sum, x) = s.norm.add_forward(&h, &y.tracked("residual sum")?)?;
                         h = sum;
                         x
                     }
@@ -162,11 +188,15 @@ impl layered::Block for Layer {
                 }
             };
             let _s = span(s.sublayer.label(), dev);
-            let y = s.sublayer.forward(&x, obs, cache.as_deref_mut())?;
-            pending = Some(if s.scale != 1.0 { (y * s.scale)? } else { y });
+            let link_out = s.scale == 1.0 && self.steps.get(i + 1).is_some_and(|n| n.may_take_frozen_mlp(&h));
+            let y = s.sublayer.forward_made(&x, obs, cache.as_deref_mut(), link_out)?;
+            pending = Some(match y {
+                Made::Tracked(y) if s.scale != 1.0 => Made::Tracked((y * s.scale)?),
+                y => y,
+            });
         }
         if let Some(y) = pending {
-            h = (h + y)?;
+            h = (h + y.tracked("residual sum")?)?;
         }
         Ok(h)
     }

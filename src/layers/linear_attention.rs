@@ -10,6 +10,7 @@ use crate::ops::conv::ShortConv;
 use crate::ops::decode::{OutNorm, StepDims, StepInputs};
 use crate::ops::delta_rule::{Recurrence, Rule};
 use crate::ops::derived::Derived;
+use crate::ops::link::Made;
 use crate::ops::norm::{l2_norm, RmsNorm};
 use crate::ops::prep::{Heads, QkvPrep};
 use crate::ops::{repeat_heads, softplus};
@@ -220,6 +221,19 @@ impl LinearAttention {
 
     /// `cache`: conv history and recurrent state carried between decoding calls.
     pub fn forward(&self, x: &Tensor, obs: &mut dyn Observer, cache: Option<&mut LayerCache>) -> Result<Tensor> {
+        Ok(self.forward_made(x, obs, cache, false)?.tracked("linear attention")?)
+    }
+
+    /// [`Self::forward`]; `link_out`: the caller's next op (the frozen MLP step's residual sum)
+    /// is the output's one reader and takes it linked, which a trained mixer's output may be
+    /// (see `ops::link`).
+    pub(crate) fn forward_made(
+        &self,
+        x: &Tensor,
+        obs: &mut dyn Observer,
+        cache: Option<&mut LayerCache>,
+        link_out: bool,
+    ) -> Result<Made> {
         let d = self.dims;
         let (b, t, _) = x.dims3()?;
         let cache = match cache {
@@ -229,7 +243,7 @@ impl LinearAttention {
                     && self.steps_fused(x)
                     && matches!(c, LayerCache::Recurrent { conv: Some(_), .. }) =>
             {
-                return self.step(x, c);
+                return Ok(Made::Tracked(self.step(x, c)?));
             }
             other => other,
         };
@@ -252,7 +266,7 @@ impl LinearAttention {
         let p = self.proj.project(x, d, link)?;
         let trained_chunks = chunks_with_gradients && (p.linked.is_some() || self.mixes_with_gradients(&p.qkv)?);
         if trained_chunks {
-            return self.trained_chunks(x, &p);
+            return self.trained_chunks(x, &p, link_out);
         }
         let (mixed, conv_state) = match &self.conv {
             Some(c) => {
@@ -312,7 +326,7 @@ impl LinearAttention {
         } else {
             crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?
         };
-        self.output(x, o, p.z.as_ref())
+        Ok(Made::Tracked(self.output(x, o, p.z.as_ref())?))
     }
 
     /// Whether a gradient flows through the conv's output (or, without a conv, SiLU's) for the
@@ -329,7 +343,8 @@ impl LinearAttention {
     /// normed straight into the kernels' chunked layout, and with a short conv the conv inside
     /// the same ops (see `ops::prep::conv_heads_qk_chunks`), so that neither the conv's output
     /// nor q and k as heads are nodes of the graph.
-    fn trained_chunks(&self, x: &Tensor, p: &Projected) -> Result<Tensor> {
+    /// `link_out`: the output may go linked to the caller's next op (see [`Self::forward_made`]).
+    fn trained_chunks(&self, x: &Tensor, p: &Projected, link_out: bool) -> Result<Made> {
         let (beta, g, _) = self.gates(x, p)?;
         let (hq, hk, hv, scale) = self.heads();
         let c = crate::ops::chunked::chunk_len(x.dim(1)?);
@@ -373,13 +388,16 @@ impl LinearAttention {
                 let _s = crate::profile::span("recurrence", x.device());
                 crate::ops::chunked::delta_linked_through(&qkv, &beta, g.as_ref(), scale)?
             };
-            return Ok(self.norm.project_heads_linked(&o, gate, w)?);
+            return Ok(match link_out {
+                true => Made::Linked(self.norm.project_heads_linked_through(&o, gate, w)?),
+                false => Made::Tracked(self.norm.project_heads_linked(&o, gate, w)?),
+            });
         }
         let o = {
             let _s = crate::profile::span("recurrence", x.device());
             crate::ops::chunked::delta_from_linked(&qkv, &beta, g.as_ref(), scale)?
         };
-        self.output(x, o, p.z.as_ref())
+        Ok(Made::Tracked(self.output(x, o, p.z.as_ref())?))
     }
 
     /// β [B, T, Hv], and the decay per head g [B, T, Hv] or per key channel gk [B, T, Hv, dk],

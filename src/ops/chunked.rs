@@ -658,65 +658,84 @@ mod tests {
     }
 
     /// o linked from the recurrence to the output norm and projection
-    /// (`delta_linked_through`, `RmsNorm::project_heads_linked`) gives the outputs and gradients
-    /// of the tracked chain (`norm_projected` on o), bit for bit: ungated and gated by silu(z),
-    /// float32 and bf16, over two backwards.
+    /// (`delta_linked_through`, `RmsNorm::project_heads_linked`), and that output linked in turn
+    /// to a frozen MLP step's residual sum (`project_heads_linked_through`,
+    /// `mlp::frozen_mlp_step_from`), give the outputs and gradients of the tracked chain
+    /// (`norm_projected` on o, `frozen_mlp_step` on its output), bit for bit: ungated and gated
+    /// by silu(z), float32 and bf16, over two backwards.
     #[test]
     fn a_linked_output_matches_a_tracked_one() -> Result<()> {
         use crate::ops::link::Operand;
+        use crate::ops::mlp::{frozen_mlp_step, frozen_mlp_step_from};
         use crate::ops::norm::{norm_projected, NormWeight, RmsNorm};
         use crate::ops::prep::{conv_heads_qk_linked, Heads};
         let mut rng = StdRng::seed_from_u64(41);
-        let (b, t, h, dk, dv, taps, out) = (2, 70, 2, 8, 6, 4, 5);
+        let (b, t, h, dk, dv, taps, out, n) = (2, 70, 2, 8, 6, 4, 5, 3);
         let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
         let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
         let width = 2 * h * dk + h * dv;
         let c = chunk_len(t);
-        for dtype in [DType::F32, DType::BF16] {
-            for gated in [false, true] {
-                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
-                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
-                };
-                let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
-                let w = var(&[width, taps], -0.5, 0.5, dtype)?;
-                let bias = var(&[width], -0.5, 0.5, dtype)?;
-                let (beta, g) = (var(&[b, t, h], 0.1, 0.9, DType::F32)?, var(&[b, t, h], -0.3, -0.01, DType::F32)?);
-                let nw = var(&[dv], 0.5, 1.5, DType::F32)?;
-                let z = var(&[b, t, h * dv], -1.0, 1.0, dtype)?;
-                let proj = rand(&[out, h * dv], &mut rng, -0.5, 0.5).to_dtype(dtype)?;
-                let wo = rand(&[b, t, out], &mut rng, -1.0, 1.0);
-                let norm = RmsNorm::new(nw.as_tensor().clone(), 1e-6, NormWeight::Plain)?;
-                let gate = gated.then_some(z.as_tensor());
-                let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), bias.as_tensor());
-                let inputs = || conv_heads_qk_linked(Operand::Tracked(xt), wt, bt, q, k, v, c);
-                let tracked = || -> Result<Tensor> {
-                    let o = delta_from_linked(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
-                    norm_projected(Operand::Tracked(&o), gate, nw.as_tensor(), 1e-6, &proj)
-                };
-                let linked = || -> Result<Tensor> {
-                    assert!(norm.projects_linked_heads(&[b, t, h, dv], &proj));
-                    let o = delta_linked_through(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
-                    norm.project_heads_linked(&o, gate, &proj)
-                };
-                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
-                let (want, got) = (tracked()?, linked()?);
-                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
-                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, gated {gated})");
-                let want = loss(&want)?.backward()?;
-                let got_loss = loss(&got)?;
-                for pass in 0..2 {
-                    let got = got_loss.backward()?;
-                    let vars =
-                        [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g), ("norm", &nw), ("z", &z)];
-                    for (name, v) in vars {
-                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
-                        if name == "z" && !gated {
-                            assert!(a.is_none() && e.is_none(), "an unread gate took a gradient");
-                            continue;
-                        }
-                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
-                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, gated {gated})");
+        let cases =
+            [DType::F32, DType::BF16].into_iter().flat_map(|d| [false, true].map(|g| [(d, g, false), (d, g, true)]));
+        for (dtype, gated, step) in cases.flatten() {
+            let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
+                Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
+            };
+            let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
+            let w = var(&[width, taps], -0.5, 0.5, dtype)?;
+            let bias = var(&[width], -0.5, 0.5, dtype)?;
+            let (beta, g) = (var(&[b, t, h], 0.1, 0.9, DType::F32)?, var(&[b, t, h], -0.3, -0.01, DType::F32)?);
+            let nw = var(&[dv], 0.5, 1.5, DType::F32)?;
+            let z = var(&[b, t, h * dv], -1.0, 1.0, dtype)?;
+            let res = var(&[b, t, out], -1.0, 1.0, dtype)?;
+            let mw = var(&[out], 0.5, 1.5, DType::F32)?;
+            let proj = rand(&[out, h * dv], &mut rng, -0.5, 0.5).to_dtype(dtype)?;
+            let gate_up = rand(&[2 * n, out], &mut rng, -0.5, 0.5).to_dtype(dtype)?;
+            let down = rand(&[out, n], &mut rng, -0.5, 0.5).to_dtype(dtype)?;
+            let wo = rand(&[b, t, out], &mut rng, -1.0, 1.0);
+            let norm = RmsNorm::new(nw.as_tensor().clone(), 1e-6, NormWeight::Plain)?;
+            let gate = gated.then_some(z.as_tensor());
+            let (xt, wt, bt) = (x.as_tensor(), w.as_tensor(), bias.as_tensor());
+            let inputs = || conv_heads_qk_linked(Operand::Tracked(xt), wt, bt, q, k, v, c);
+            let (rt, mt) = (res.as_tensor(), mw.as_tensor());
+            let tracked = || -> Result<Tensor> {
+                let o = delta_from_linked(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
+                let y = norm_projected(Operand::Tracked(&o), gate, nw.as_tensor(), 1e-6, &proj)?;
+                match step {
+                    true => frozen_mlp_step(rt, Some(&y), mt, 1e-6, &gate_up, &down),
+                    false => Ok(y),
+                }
+            };
+            let linked = || -> Result<Tensor> {
+                assert!(norm.projects_linked_heads(&[b, t, h, dv], &proj));
+                let o = delta_linked_through(&inputs()?, beta.as_tensor(), Some(g.as_tensor()), 0.3)?;
+                match step {
+                    true => {
+                        let y = norm.project_heads_linked_through(&o, gate, &proj)?;
+                        frozen_mlp_step_from(rt, Some(Operand::Linked(&y)), mt, 1e-6, &gate_up, &down)
                     }
+                    false => norm.project_heads_linked(&o, gate, &proj),
+                }
+            };
+            let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
+            let (want, got) = (tracked()?, linked()?);
+            let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+            let case = format!("{dtype:?}, gated {gated}, MLP step {step}");
+            assert_eq!(bits(&got)?, bits(&want)?, "outputs ({case})");
+            let want = loss(&want)?.backward()?;
+            let got_loss = loss(&got)?;
+            for pass in 0..2 {
+                let got = got_loss.backward()?;
+                let vars = [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g), ("norm", &nw)];
+                let more = [("z", &z), ("residual", &res), ("MLP norm", &mw)];
+                for (name, v) in vars.into_iter().chain(more) {
+                    let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
+                    if (name == "z" && !gated) || (!step && (name == "residual" || name == "MLP norm")) {
+                        assert!(a.is_none() && e.is_none(), "{name}, unread, took a gradient");
+                        continue;
+                    }
+                    let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
+                    assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({case})");
                 }
             }
         }

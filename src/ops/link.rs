@@ -219,6 +219,38 @@ impl Operand<'_> {
     }
 }
 
+/// What an op made: a tensor of the graph, or one linked to the one op that reads it.
+pub(crate) enum Made {
+    Tracked(Tensor),
+    Linked(Linked),
+}
+
+impl Made {
+    /// The made tensor as an operand of the op that reads it.
+    pub fn operand(&self) -> Operand<'_> {
+        match self {
+            Made::Tracked(t) => Operand::Tracked(t),
+            Made::Linked(l) => Operand::Linked(l),
+        }
+    }
+
+    /// Its node in the graph: the tensor, or a linked one's token.
+    pub fn node(&self) -> &Tensor {
+        match self {
+            Made::Tracked(t) => t,
+            Made::Linked(l) => &l.token,
+        }
+    }
+
+    /// The tensor of the graph; a linked one has no other reader and is an error here.
+    pub fn tracked(self, what: &str) -> candle_core::Result<Tensor> {
+        match self {
+            Made::Tracked(t) => Ok(t),
+            Made::Linked(_) => candle_core::bail!("{what}: a linked output read by an op that does not take the link"),
+        }
+    }
+}
+
 /// An op reading a linked tensor as its first operand: the graph gives it the token, it runs
 /// its op on the value, and the op's gradient for the value goes to the link.
 struct Reader<P> {

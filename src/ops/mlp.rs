@@ -2,6 +2,7 @@
 //! MLP as one op differentiable in its input, and a whole residual step over a frozen MLP (the
 //! layer itself is `layers::mlp::SwiGlu`).
 
+use super::link::Operand;
 use super::norm::GatedRms;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor, WithDType};
@@ -235,11 +236,24 @@ impl FrozenMlp {
 /// in one kernel, and the graph keeps gate|up's output alone.
 ///
 /// `pending`: the last step's output, added into h inside the op (h + pending is the residual
-/// stream this step norms and adds to). As a sum before the op, the sum was one more edge of
-/// that size in candle's graph; here the op hands the sum's gradient to both.
+/// stream this step norms and adds to), and possibly linked from the op that made it (see
+/// `ops::link`). As a sum before the op, the sum was one more edge of that size in candle's
+/// graph; here the op hands the sum's gradient to both.
 pub fn frozen_mlp_step(
     h: &Tensor,
     pending: Option<&Tensor>,
+    norm_w: &Tensor,
+    eps: f64,
+    gate_up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
+    frozen_mlp_step_from(h, pending.map(Operand::Tracked), norm_w, eps, gate_up, down)
+}
+
+/// [`frozen_mlp_step`] with the pending output possibly linked.
+pub(crate) fn frozen_mlp_step_from(
+    h: &Tensor,
+    pending: Option<Operand>,
     norm_w: &Tensor,
     eps: f64,
     gate_up: &Tensor,
@@ -263,8 +277,13 @@ pub fn frozen_mlp_step(
             down.shape()
         );
     }
-    if pending.is_some_and(|y| y.shape() != h.shape() || y.dtype() != h.dtype()) {
-        candle_core::bail!("MLP step: the pending output {:?} is not h's {:?}", pending.map(Tensor::shape), h.shape());
+    if let Some(y) = pending.map(|y| y.value().clone()) {
+        if y.shape() != h.shape()
+            || y.dtype() != h.dtype()
+            || (matches!(pending, Some(Operand::Linked(_))) && !y.is_contiguous())
+        {
+            candle_core::bail!("MLP step: the pending output {:?} is not h's {:?}", y.shape(), h.shape());
+        }
     }
     let mlp = FrozenMlp { gate_up: gate_up.detach(), down: down.detach(), gu: Mutex::new(None) };
     let step = MlpStep { mlp, eps: eps as f32 };
@@ -272,7 +291,11 @@ pub fn frozen_mlp_step(
         None => h.contiguous()?.apply_op2(&norm_w.contiguous()?, step),
         Some(y) => {
             let op = MlpStepOnSum { step, sum: Mutex::new(None) };
-            h.contiguous()?.apply_op3(&y.contiguous()?, &norm_w.contiguous()?, op)
+            let (h, w) = (h.contiguous()?, norm_w.contiguous()?);
+            match y {
+                Operand::Tracked(y) => y.contiguous()?.apply_op3(&h, &w, op),
+                Operand::Linked(y) => super::link::read3(y, &h, &w, op),
+            }
         }
     }
 }
@@ -322,8 +345,9 @@ impl MlpStep {
     }
 }
 
-/// [`MlpStep`] on h + y over (h, y, norm weight), the sum made in the op (rounded once, as
-/// candle's add rounds it) and kept for the backward, which gives h and y its gradient.
+/// [`MlpStep`] on y + h over (y, h, norm weight), y first so that it may come linked; the sum
+/// made in the op (rounded once, as candle's add rounds h + y) and kept for the backward, which
+/// gives y and h its gradient.
 struct MlpStepOnSum {
     step: MlpStep,
     sum: Mutex<Option<Tensor>>,
@@ -344,10 +368,10 @@ impl CustomOp3 for MlpStepOnSum {
 
     fn cpu_fwd(
         &self,
-        h: &CpuStorage,
-        hl: &Layout,
         y: &CpuStorage,
         yl: &Layout,
+        h: &CpuStorage,
+        hl: &Layout,
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
@@ -360,10 +384,10 @@ impl CustomOp3 for MlpStepOnSum {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        h: &candle_core::CudaStorage,
-        hl: &Layout,
         y: &candle_core::CudaStorage,
         yl: &Layout,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
@@ -375,8 +399,8 @@ impl CustomOp3 for MlpStepOnSum {
 
     fn bwd(
         &self,
-        _h: &Tensor,
         _y: &Tensor,
+        _h: &Tensor,
         w: &Tensor,
         _res: &Tensor,
         grad: &Tensor,

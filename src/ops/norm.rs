@@ -164,10 +164,28 @@ impl RmsNorm {
         gate: Option<&Tensor>,
         w: &Tensor,
     ) -> Result<Tensor> {
+        self.check_linked(x, w)?;
+        norm_projected(Operand::Linked(x), gate, &self.weight.get()?, self.eps, w)
+    }
+
+    /// [`Self::project_heads_linked`] with its output linked in turn to the one op that reads it
+    /// (the residual sum inside the next frozen MLP step, `ops::mlp::frozen_mlp_step`).
+    pub(crate) fn project_heads_linked_through(
+        &self,
+        x: &super::link::Linked,
+        gate: Option<&Tensor>,
+        w: &Tensor,
+    ) -> Result<super::link::Linked> {
+        self.check_linked(x, w)?;
+        let (op, gate) = NormProjected::with_gate(&x.value, gate, self.eps, w)?;
+        super::link::link3_from(Operand::Linked(x), &gate, &self.weight.get()?, op)
+    }
+
+    fn check_linked(&self, x: &super::link::Linked, w: &Tensor) -> Result<()> {
         if !self.projects_linked_heads(x.value.dims(), w) || !x.value.is_contiguous() {
             candle_core::bail!("norm projection: o {:?} linked, projection {:?}", x.value.shape(), w.shape());
         }
-        norm_projected(Operand::Linked(x), gate, &self.weight.get()?, self.eps, w)
+        Ok(())
     }
 
     /// [`Self::forward_gated`] in separate float32 ops (the CPU path, and the reference in tests).
@@ -214,19 +232,7 @@ pub(crate) fn norm_projected(
         }
         linked => linked,
     };
-    let value = x.value();
-    let dims = value.dims();
-    let mut flat = dims[..dims.len() - 2].to_vec();
-    flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
-    let op = NormProjected {
-        norm: GatedRms { eps: eps as f32, gated: gate.is_some() },
-        proj: super::projection::FrozenLinear::new(proj),
-    };
-    let gate = match gate {
-        Some(g) => g.to_dtype(value.dtype())?.contiguous()?.reshape(flat)?,
-        // Ungated, the gate's place holds x itself, in the output's layout, and is never read.
-        None => value.detach().reshape(flat)?,
-    };
+    let (op, gate) = NormProjected::with_gate(x.value(), gate, eps, proj)?;
     match x {
         Operand::Tracked(x) => x.apply_op3(&gate, weight, op),
         Operand::Linked(l) => super::link::read3(l, &gate, weight, op),
@@ -239,6 +245,25 @@ pub(crate) fn norm_projected(
 struct NormProjected {
     norm: GatedRms,
     proj: super::projection::FrozenLinear,
+}
+
+impl NormProjected {
+    /// The op for x [.., heads, n], and what goes in the gate's place: the gate in x's dtype,
+    /// laid out [.., heads·n], or, ungated, x itself so laid out (never read).
+    fn with_gate(x: &Tensor, gate: Option<&Tensor>, eps: f64, proj: &Tensor) -> Result<(Self, Tensor)> {
+        let dims = x.dims();
+        let mut flat = dims[..dims.len() - 2].to_vec();
+        flat.push(dims[dims.len() - 2] * dims[dims.len() - 1]);
+        let op = NormProjected {
+            norm: GatedRms { eps: eps as f32, gated: gate.is_some() },
+            proj: super::projection::FrozenLinear::new(proj),
+        };
+        let gate = match gate {
+            Some(g) => g.to_dtype(x.dtype())?.contiguous()?.reshape(flat)?,
+            None => x.detach().reshape(flat)?,
+        };
+        Ok((op, gate))
+    }
 }
 
 impl CustomOp3 for NormProjected {
