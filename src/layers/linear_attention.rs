@@ -262,7 +262,7 @@ impl LinearAttention {
             && matches!(self.decay, Decay::None | Decay::PerHead { .. })
             && crate::ops::delta_rule::Kernel::chunk_kernels_with_gradients(dev, d.dk);
         // There the conv's op is [q | k | v]'s one reader, which may take it linked.
-        let link = chunks_with_gradients && self.conv.as_ref().map(ShortConv::fits_ops).transpose()? == Some(true);
+        let link = chunks_with_gradients && self.conv.as_ref().is_some_and(ShortConv::fits_ops);
         let p = self.proj.project(x, d, link)?;
         let trained_chunks = chunks_with_gradients && (p.linked.is_some() || self.mixes_with_gradients(&p.qkv)?);
         if trained_chunks {
@@ -351,15 +351,16 @@ impl LinearAttention {
         use crate::ops::link::Operand;
         // A linked [q | k | v] has a gradient whatever the conv's weights track.
         let (input, operands) = match (&p.linked, &self.conv) {
-            (Some(l), Some(conv)) => (Operand::Linked(l), conv.operands_in(p.qkv.dtype(), x.device())?),
+            (Some(l), Some(conv)) => {
+                let operands = conv.operands_in(p.qkv.dtype(), x.device())?;
+                let operands = operands.ok_or_else(|| anyhow::anyhow!("a linked [q | k | v] needs the conv's op"))?;
+                (Operand::Linked(l), Some(operands))
+            }
             (Some(_), None) => anyhow::bail!("a linked [q | k | v] needs the short conv to read it"),
             (None, conv) => {
                 (Operand::Tracked(&p.qkv), conv.as_ref().map(|c| c.grad_operands(&p.qkv)).transpose()?.flatten())
             }
         };
-        if p.linked.is_some() && operands.is_none() {
-            anyhow::bail!("a linked [q | k | v] needs the conv's op to read it");
-        }
         // Linked to the recurrence, their one reader (see `ops::link`).
         let qkv = {
             use crate::ops::prep::{conv_heads_qk_linked, heads_qk_linked};
@@ -373,11 +374,7 @@ impl LinearAttention {
         // With a frozen output projection the norm and projection are one op, o's one reader:
         // o goes to it linked.
         let d = self.dims;
-        let gate = match self.gate {
-            OutputGate::None => Some(None),
-            OutputGate::Silu => p.z.as_ref().map(Some),
-            OutputGate::SigmoidLowRank { .. } => None,
-        };
+        let gate = self.projected_gate(p.z.as_ref());
         let (b, t, _) = x.dims3()?;
         let through = self
             .o_proj
@@ -454,12 +451,7 @@ impl LinearAttention {
         }
         let o = o.to_dtype(x.dtype())?;
         // With gradients on a GPU, the norm and a frozen output projection are one op.
-        let gate = match self.gate {
-            OutputGate::None => Some(None),
-            OutputGate::Silu => z.map(Some),
-            OutputGate::SigmoidLowRank { .. } => None,
-        };
-        if let (Some(gate), Some(w)) = (gate, self.o_proj.frozen_weight()) {
+        if let (Some(gate), Some(w)) = (self.projected_gate(z), self.o_proj.frozen_weight()) {
             if let Some(y) = self.norm.project_heads(&o, gate, w)? {
                 return Ok(y);
             }
@@ -491,6 +483,17 @@ impl LinearAttention {
         crate::ops::fusable(&[x, &norm, &conv])
             && !matches!(self.decay, Decay::PerChannel { .. })
             && matches!(self.gate, OutputGate::None | OutputGate::Silu)
+    }
+
+    /// The gate of the output norm where the norm and a frozen output projection may be one op
+    /// (`RmsNorm::project_heads`): none, or silu(z) with z the projection the gate reads;
+    /// `None` for a gate that op does not take.
+    fn projected_gate<'a>(&self, z: Option<&'a Tensor>) -> Option<Option<&'a Tensor>> {
+        match self.gate {
+            OutputGate::None => Some(None),
+            OutputGate::Silu => z.map(Some),
+            OutputGate::SigmoidLowRank { .. } => None,
+        }
     }
 
     /// The one-kernel output norm ([`OutNorm`]) of a layer without a gate or with silu(z), in

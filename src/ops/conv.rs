@@ -97,23 +97,34 @@ impl ShortConv {
         if super::fusable(&tensors) || x.device().is_cpu() {
             return Ok(None);
         }
-        self.operands_in(x.dtype(), x.device())
+        Self::operands(weight, bias, x.dtype(), x.device())
     }
 
     /// Whether the kernel is narrow enough for the ops that run the conv inside themselves
-    /// with gradients (see [`Self::grad_operands`]).
-    pub fn fits_ops(&self) -> Result<bool> {
-        Ok(self.parts()?.0.dim(1)? <= CONV_BWD_MAX_K)
+    /// with gradients (see [`Self::grad_operands`]); read from the shape alone.
+    pub fn fits_ops(&self) -> bool {
+        self.weight.shape().dims().get(1).is_some_and(|&k| k <= CONV_BWD_MAX_K)
     }
 
     /// [`Self::grad_operands`]' weight and bias in `dtype` for an input whose gradient is known
     /// to flow (one linked from its maker, which tracks nothing itself); `None` where the
     /// kernel is too wide for the op's backward.
     pub fn operands_in(&self, dtype: DType, dev: &candle_core::Device) -> Result<Option<(Tensor, Tensor)>> {
-        if !self.fits_ops()? {
+        let (weight, bias) = self.parts()?;
+        Self::operands(weight, bias, dtype, dev)
+    }
+
+    /// The weight [C, K] contiguous and the bias [C] (zeros without one) in `dtype`, where K is
+    /// at most [`CONV_BWD_MAX_K`].
+    fn operands(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        dtype: DType,
+        dev: &candle_core::Device,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        if weight.dim(1)? > CONV_BWD_MAX_K {
             return Ok(None);
         }
-        let (weight, bias) = self.parts()?;
         let bias = match bias {
             Some(b) => b.to_dtype(dtype)?,
             None => Tensor::zeros(weight.dim(0)?, dtype, dev)?,

@@ -34,6 +34,11 @@ impl Derived {
         Ok(Self(Arc::new(Inner { stored, value, make: Box::new(make) })))
     }
 
+    /// The value's shape, which training does not change.
+    pub fn shape(&self) -> &candle_core::Shape {
+        self.0.value.shape()
+    }
+
     /// The value now: the one made at load, or, when a stored tensor trains, made from them as
     /// they are.
     pub fn get(&self) -> Result<Tensor> {
