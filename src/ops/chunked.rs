@@ -360,6 +360,37 @@ mod tests {
     use candle_core::Var;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
+    /// A linked chain's output `got` equals the tracked chain's `want` bit for bit, and so do
+    /// their gradients of ⟨o, wo⟩ in `vars`, over two backwards of the linked graph; those named
+    /// in `unread` have no gradient in either.
+    fn assert_linked_matches(
+        got: &Tensor,
+        want: &Tensor,
+        wo: &Tensor,
+        vars: &[(&str, &Var)],
+        unread: &[&str],
+        case: &str,
+    ) -> Result<()> {
+        let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
+        let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * wo)?.sum_all();
+        assert_eq!(bits(got)?, bits(want)?, "outputs ({case})");
+        let want = loss(want)?.backward()?;
+        let got_loss = loss(got)?;
+        for pass in 0..2 {
+            let got = got_loss.backward()?;
+            for (name, v) in vars {
+                let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
+                if unread.contains(name) {
+                    assert!(a.is_none() && e.is_none(), "{name}, unread, took a gradient ({case})");
+                    continue;
+                }
+                let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
+                assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({case})");
+            }
+        }
+        Ok(())
+    }
+
     fn rand(shape: &[usize], rng: &mut StdRng, lo: f32, hi: f32) -> Tensor {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| lo + (hi - lo) * rng.random::<f32>()).collect();
@@ -573,23 +604,10 @@ mod tests {
                     };
                     delta_from_linked(&x, beta.as_tensor(), Some(g.as_tensor()), 0.3)
                 };
-                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
-                let (want, got) = (tracked()?, linked()?);
-                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
-                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, conv {conv})");
-                let want = loss(&want)?.backward()?;
-                let got_loss = loss(&got)?;
-                for pass in 0..2 {
-                    let got = got_loss.backward()?;
-                    for (name, v) in [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)] {
-                        if !conv && (name == "w" || name == "bias") {
-                            continue;
-                        }
-                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
-                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
-                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, conv {conv})");
-                    }
-                }
+                let vars = [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)];
+                let unread: &[&str] = if conv { &[] } else { &["w", "bias"] };
+                let case = format!("{dtype:?}, conv {conv}");
+                assert_linked_matches(&linked()?, &tracked()?, &wo, &vars, unread, &case)?;
             }
         }
         Ok(())
@@ -633,25 +651,10 @@ mod tests {
                     let x = conv_heads_qk_linked(Operand::Linked(&y), wt, bt, q, k, v, c)?;
                     delta_from_linked(&x, beta.as_tensor(), Some(g.as_tensor()), 0.3)
                 };
-                let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
-                let (want, got) = (tracked()?, linked()?);
-                let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
-                assert_eq!(bits(&got)?, bits(&want)?, "outputs ({dtype:?}, trained {trained})");
-                let want = loss(&want)?.backward()?;
-                let got_loss = loss(&got)?;
-                for pass in 0..2 {
-                    let got = got_loss.backward()?;
-                    let vars = [("x", &x), ("proj", &proj), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)];
-                    for (name, v) in vars {
-                        let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
-                        if name == "proj" && !trained {
-                            assert!(a.is_none() && e.is_none(), "a frozen projection took a gradient");
-                            continue;
-                        }
-                        let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
-                        assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({dtype:?}, trained {trained})");
-                    }
-                }
+                let vars = [("x", &x), ("proj", &proj), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g)];
+                let unread: &[&str] = if trained { &[] } else { &["proj"] };
+                let case = format!("{dtype:?}, trained {trained}");
+                assert_linked_matches(&linked()?, &tracked()?, &wo, &vars, unread, &case)?;
             }
         }
         Ok(())
@@ -717,27 +720,17 @@ mod tests {
                     false => norm.project_heads_linked(&o, gate, &proj),
                 }
             };
-            let loss = |o: &Tensor| (o.to_dtype(DType::F32)? * &wo)?.sum_all();
-            let (want, got) = (tracked()?, linked()?);
-            let bits = |t: &Tensor| t.to_dtype(DType::F32).and_then(|t| t.flatten_all()?.to_vec1::<f32>());
-            let case = format!("{dtype:?}, gated {gated}, MLP step {step}");
-            assert_eq!(bits(&got)?, bits(&want)?, "outputs ({case})");
-            let want = loss(&want)?.backward()?;
-            let got_loss = loss(&got)?;
-            for pass in 0..2 {
-                let got = got_loss.backward()?;
-                let vars = [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g), ("norm", &nw)];
-                let more = [("z", &z), ("residual", &res), ("MLP norm", &mw)];
-                for (name, v) in vars.into_iter().chain(more) {
-                    let (a, e) = (got.get(v.as_tensor()), want.get(v.as_tensor()));
-                    if (name == "z" && !gated) || (!step && (name == "residual" || name == "MLP norm")) {
-                        assert!(a.is_none() && e.is_none(), "{name}, unread, took a gradient");
-                        continue;
-                    }
-                    let (a, e) = (a.expect("a linked gradient"), e.expect("a tracked gradient"));
-                    assert_eq!(bits(a)?, bits(e)?, "d{name}, backward {pass} ({case})");
-                }
+            let vars = [("x", &x), ("w", &w), ("bias", &bias), ("beta", &beta), ("g", &g), ("norm", &nw)];
+            let vars: Vec<_> = vars.into_iter().chain([("z", &z), ("residual", &res), ("MLP norm", &mw)]).collect();
+            let mut unread = vec![];
+            if !gated {
+                unread.push("z");
             }
+            if !step {
+                unread.extend(["residual", "MLP norm"]);
+            }
+            let case = format!("{dtype:?}, gated {gated}, MLP step {step}");
+            assert_linked_matches(&linked()?, &tracked()?, &wo, &vars, &unread, &case)?;
         }
         Ok(())
     }
