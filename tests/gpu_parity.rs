@@ -636,6 +636,26 @@ fn prefill_kernels_match_cpu() {
             let err = common::rel_err(&got, &want);
             assert!(err < tol(dtype), "output norm over {t} tokens, gated {gated}, {dtype:?}: {err:.3e}");
         }
+        // The residual add and norm: a warp a row from 256 rows on (width 128), a block a row
+        // below (2 x 19 rows) or where a row is not a multiple of 16 bytes (width 100).
+        for (rows, n) in [(300, 128), (19, 128), (300, 100)] {
+            let a = rand(&[2, rows, n], 1.0).to_dtype(dtype).unwrap();
+            let b = rand(&[2, rows, n], 1.0).to_dtype(dtype).unwrap();
+            let w = (rand(&[n], 0.1) + 1.0).unwrap();
+            let (want, got) = both(&|dev| {
+                let norm = statecut::ops::norm::RmsNorm::new(
+                    w.to_device(dev).unwrap(),
+                    1e-6,
+                    statecut::ops::norm::NormWeight::Plain,
+                )
+                .unwrap();
+                let on = |t: &Tensor| t.to_device(dev).unwrap();
+                let (h, x) = norm.add_forward(&on(&a), &on(&b)).unwrap();
+                Tensor::cat(&[h.flatten_all().unwrap(), x.flatten_all().unwrap()], 0).unwrap()
+            });
+            let err = common::rel_err(&got, &want);
+            assert!(err < tol(dtype), "add and norm over {rows} x {n} {dtype:?}: {err:.3e}");
+        }
         let x = rand(&[4, 33, 2 * 300], 1.0).to_dtype(dtype).unwrap();
         let (want, got) = both(&|dev| x.to_device(dev).unwrap().apply_op1_no_bwd(&statecut::ops::mlp::Swiglu).unwrap());
         let err = common::rel_err(&got, &want);
@@ -703,10 +723,16 @@ fn conv_and_norm_gradients_match_cpu() {
             let inputs = [rand(&[b, l, c + 16], 1), rand(&[c, 1, k], 2), rand(&[c], 3)];
             compare(&format!("conv at column {col}, K {k}"), dtype, &inputs, &rand(&[b, l, c], 4), &conv);
         }
-        // Norms: plain (block norms, 1 + w) and gated (the recurrent mixers' output norm).
-        for (n, gated, kind) in
-            [(2048, false, NormWeight::OnePlus), (130, true, NormWeight::Plain), (256, false, NormWeight::Plain)]
-        {
+        // Norms: plain (block norms, 1 + w) and gated (the recurrent mixers' output norm), 16
+        // bytes a lane (widths 2048, 256; 128 and 64 take two to eight rows a warp in bf16) and
+        // element by element (130).
+        for (n, gated, kind) in [
+            (2048, false, NormWeight::OnePlus),
+            (130, true, NormWeight::Plain),
+            (256, false, NormWeight::Plain),
+            (128, true, NormWeight::Plain),
+            (64, false, NormWeight::Plain),
+        ] {
             let norm = |t: &[Tensor], dt: DType| {
                 let norm = RmsNorm::new(t[t.len() - 1].clone(), 1e-6, kind).unwrap();
                 let x = t[0].to_dtype(dt).unwrap();
@@ -775,22 +801,38 @@ fn conv_and_norm_gradients_match_cpu() {
                     let dev = t[0].device();
                     let w =
                         |shape: &[usize], seed| (rand(shape, seed) * 0.2).unwrap().to_dtype(dt).unwrap().to_device(dev);
-                    let (gate_up, down) = (w(&[2 * n, 64], 34).unwrap(), w(&[64, n], 35).unwrap());
+                    let d = t[0].dim(2).unwrap();
+                    let (gate_up, down) = (w(&[2 * n, d], 34).unwrap(), w(&[d, n], 35).unwrap());
                     let h = t[0].to_dtype(dt).unwrap();
+                    // With a third input, the last step's output y pending: the step runs on h + y.
+                    let y = t.get(2).map(|y| y.to_dtype(dt).unwrap());
                     if !composed || dev.is_cpu() {
-                        return statecut::ops::mlp::frozen_mlp_step(&h, None, &t[1], 1e-6, &gate_up, &down).unwrap();
+                        return statecut::ops::mlp::frozen_mlp_step(&h, y.as_ref(), &t[1], 1e-6, &gate_up, &down)
+                            .unwrap();
                     }
+                    let h = match &y {
+                        Some(y) => (&h + y).unwrap(),
+                        None => h,
+                    };
                     let x = RmsNorm::new(t[1].clone(), 1e-6, NormWeight::Plain).unwrap().forward(&h).unwrap();
                     (&h + statecut::ops::mlp::frozen_swiglu_mlp(&x, &gate_up, &down).unwrap()).unwrap()
                 }
             };
-            let inputs = [rand(&[3, 70, 64], 36), (rand(&[64], 37) + 1.0).unwrap()];
-            let g = rand(&[3, 70, 64], 38);
-            let errs = errors(&format!("mlp step n {n}"), dtype, &inputs, &g, &step(false));
-            let ops = errors(&format!("mlp step's ops n {n}"), dtype, &inputs, &g, &step(true));
-            for (i, (e, o)) in errs.iter().zip(&ops).enumerate() {
-                let bound = if dtype == DType::F32 { 1e-5 } else { 1.5 * o + 1e-3 };
-                assert!(*e < bound, "mlp step n {n} {dtype:?}: output/gradient {i} off by {e:.3e} (its ops: {o:.3e})");
+            // d = 64 takes the sums 16 bytes a thread; d = 60 (rows not a multiple of 16 bytes
+            // in bf16) candle's add and the norm op.
+            for (d, pending) in [(64, false), (64, true), (60, true)] {
+                let mut inputs = vec![rand(&[3, 70, d], 36), (rand(&[d], 37) + 1.0).unwrap()];
+                if pending {
+                    inputs.push(rand(&[3, 70, d], 39));
+                }
+                let g = rand(&[3, 70, d], 38);
+                let what = format!("mlp step n {n} d {d} pending {pending}");
+                let errs = errors(&what, dtype, &inputs, &g, &step(false));
+                let ops = errors(&format!("{what}, its ops"), dtype, &inputs, &g, &step(true));
+                for (i, (e, o)) in errs.iter().zip(&ops).enumerate() {
+                    let bound = if dtype == DType::F32 { 1e-5 } else { 1.5 * o + 1e-3 };
+                    assert!(*e < bound, "{what} {dtype:?}: output/gradient {i} off by {e:.3e} (its ops: {o:.3e})");
+                }
             }
         }
         // L2 norms of q and k (float32 rows, full and pruned widths).

@@ -325,8 +325,7 @@ impl CustomOp2 for MlpStep {
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (x, shape) = GatedRms::plain(self.eps).cuda_fwd(h, hl, h, hl, w, wl)?;
-        let (y, y_shape) = self.mlp.cuda_fwd(&x, &Layout::contiguous(shape))?;
-        Ok((h.binary_impl::<candle_core::op::Add>(&y, hl, &Layout::contiguous(y_shape))?, hl.shape().clone()))
+        self.cuda_from_normed(h, hl, &x, &Layout::contiguous(shape))
     }
 
     fn bwd(&self, h: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -336,6 +335,25 @@ impl CustomOp2 for MlpStep {
 }
 
 impl MlpStep {
+    /// h + mlp(x) for x the normed h, the sum by `add_packs` where the layout allows it (candle's
+    /// add reads and writes an element a thread, at under half the memory bandwidth).
+    #[cfg(feature = "cuda")]
+    fn cuda_from_normed(
+        &self,
+        h: &candle_core::CudaStorage,
+        hl: &Layout,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, y_shape) = self.mlp.cuda_fwd(x, xl)?;
+        let yl = Layout::contiguous(y_shape);
+        let sum = match super::cuda::add_packs((h, hl), (&y, &yl))? {
+            Some(sum) => sum,
+            None => h.binary_impl::<candle_core::op::Add>(&y, hl, &yl)?,
+        };
+        Ok((sum, hl.shape().clone()))
+    }
+
     /// d(h) and d(norm weight) of the step on the residual stream h.
     fn grads(&self, h: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let h = h.detach();
@@ -391,8 +409,21 @@ impl CustomOp3 for MlpStepOnSum {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let s = h.binary_impl::<candle_core::op::Add>(y, hl, yl)?;
-        let out = self.step.cuda_fwd(&s, &Layout::contiguous(hl.shape()), w, wl)?;
+        let n = hl.shape().dims().last().copied().unwrap_or(1);
+        let rows = hl.shape().elem_count() / n.max(1);
+        let sl = Layout::contiguous(hl.shape());
+        // The sum and its norm in one pass where the layout allows (the norm as GatedRms's).
+        let (s, out) = match super::cuda::add_rms_rows((h, hl), (y, yl), (w, wl), rows, n, self.step.eps, false)? {
+            Some((s, Some(x))) => {
+                let out = self.step.cuda_from_normed(&s, &sl, &x, &sl)?;
+                (s, out)
+            }
+            _ => {
+                let s = h.binary_impl::<candle_core::op::Add>(y, hl, yl)?;
+                let out = self.step.cuda_fwd(&s, &sl, w, wl)?;
+                (s, out)
+            }
+        };
         self.keep(Storage::Cuda(s), hl.shape().clone())?;
         Ok(out)
     }

@@ -43,7 +43,7 @@ pub use conv::{conv, conv_bwd};
 pub use decode::{decode_step, out_norm, StepArgs};
 pub use distill::{kd_rows, kd_rows_bwd};
 pub use mlp::{swiglu, swiglu_bwd};
-pub use norm::{add_rms, gated_rms, rms_bwd};
+pub use norm::{add_packs, add_rms, add_rms_rows, gated_rms, rms_bwd};
 pub use prep::{col_sumsq, heads, heads_bwd_into, heads_into, qkv_prep};
 pub use recurrence::{recurrence, RecurrenceDims, RecurrenceInputs};
 

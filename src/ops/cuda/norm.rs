@@ -25,19 +25,30 @@ pub fn gated_rms(
     let rows = xl.shape().elem_count() / n.max(1);
     let wv = view::<f32>((w, wl), "gated norm weight")?;
     let gated = gated as i32;
-    // One warp per row, eight rows per block.
-    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // 16 bytes a lane where every operand allows it (as rms_bwd).
+    let wvec = vec16::<f32>(0, &[wl.start_offset()]);
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>((x, xl), "gated norm")?;
             let gv = view::<$ty>((g, gl), "gated norm gate")?;
+            let vec = wvec && vec16::<$ty>(n, &[xl.start_offset(), gl.start_offset()]);
+            let lanes = norm_lanes::<$ty>(n, vec);
+            // Eight warps a block, 32 / lanes rows a warp.
+            let per_block = 8 * (32 / lanes as usize);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(per_block) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let vec = vec as i32;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes all rows x n outputs.
             let out = unsafe { dev.alloc::<$ty>(rows * n)? };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
             builder.arg(&xv).arg(&gv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps).arg(&gated);
+            builder.arg(&vec).arg(&lanes);
             // SAFETY: argument list matches `gated_rms_*` in norm.cu.
             unsafe { builder.launch(cfg) }.w()?;
             CudaStorage::wrap_cuda_slice(out, dev)
@@ -49,6 +60,17 @@ pub fn gated_rms(
 
 /// Rows per block of `rms_bwd` (`RMS_BWD_ROWS` in norm.cu).
 const RMS_BWD_ROWS: usize = 64;
+
+/// The lanes of a warp that take a row of `n` elements of T in `gated_rms` (g in
+/// norm.cu): with 16 bytes a lane (`vec`), as many as a row has packs where that is fewer than
+/// 32 and divides 32, so that a warp takes several rows; otherwise the whole warp.
+fn norm_lanes<T>(n: usize, vec: bool) -> i32 {
+    let packs = n / (16 / std::mem::size_of::<T>());
+    match vec && (1..32).contains(&packs) && 32 % packs == 0 {
+        true => packs as i32,
+        false => 32,
+    }
+}
 
 /// What [`rms_bwd`] writes: dx (and dg when gated) in x's dtype, and the float32 partial
 /// sums of dw [parts, n] that the caller adds up.
@@ -124,6 +146,11 @@ pub fn add_rms(
     n: usize,
     eps: f32,
 ) -> Result<CudaStorage> {
+    if rows >= ADD_RMS_ROWS_FROM {
+        if let Some((both, None)) = add_rms_rows((a, al), (b, bl), (w, wl), rows, n, eps, true)? {
+            return Ok(both);
+        }
+    }
     let dev = a.device().clone();
     let wv = view::<f32>((w, wl), "norm weight")?;
     let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
@@ -143,4 +170,91 @@ pub fn add_rms(
         }};
     }
     Ok(per_dtype!(a.dtype(), "add_rms", "add + norm", launch))
+}
+
+/// Rows from which [`add_rms`] takes a warp a row (`add_rms_rows`): below, a decoding step's few
+/// rows would leave most of the GPU idle, so each takes a block.
+const ADD_RMS_ROWS_FROM: usize = 256;
+
+/// `add_rms_rows` in norm.cu: (a + b, norm(a + b)) for contiguous a, b [rows, n] of one dtype and
+/// the float32 weight w [n], in two buffers, or in one [2, rows, n] (`joined`, as [`add_rms`]
+/// returns it); `None` where n or an offset does not allow 16 bytes a lane.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_rows(
+    (a, al): (&CudaStorage, &Layout),
+    (b, bl): (&CudaStorage, &Layout),
+    (w, wl): (&CudaStorage, &Layout),
+    rows: usize,
+    n: usize,
+    eps: f32,
+    joined: bool,
+) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
+    let dev = a.device().clone();
+    if !vec16::<f32>(0, &[wl.start_offset()]) {
+        return Ok(None);
+    }
+    let wv = view::<f32>((w, wl), "norm weight")?;
+    // One warp per row, eight rows per block.
+    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let ints = [rows as i32, n as i32];
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            if !vec16::<$ty>(n, &[al.start_offset(), bl.start_offset()]) {
+                return Ok(None);
+            }
+            let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
+            // SAFETY: the kernel writes every element of h and y.
+            let (h, y) = match joined {
+                true => (unsafe { dev.alloc::<$ty>(2 * rows * n)? }, None),
+                false => (unsafe { dev.alloc::<$ty>(rows * n)? }, Some(unsafe { dev.alloc::<$ty>(rows * n)? })),
+            };
+            let func = function(&dev, $name)?;
+            {
+                let (hv, yv) = match &y {
+                    Some(y) => (h.slice(0..rows * n), y.slice(0..rows * n)),
+                    None => (h.slice(0..rows * n), h.slice(rows * n..2 * rows * n)),
+                };
+                let stream = dev.cuda_stream();
+                let mut builder = stream.launch_builder(&func);
+                builder.arg(&av).arg(&bv).arg(&wv).arg(&hv).arg(&yv).arg(&ints[0]).arg(&ints[1]).arg(&eps);
+                // SAFETY: argument list matches `add_rms_rows_*` in norm.cu.
+                unsafe { builder.launch(cfg) }.w()?;
+            }
+            (CudaStorage::wrap_cuda_slice(h, dev.clone()), y.map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone())))
+        }};
+    }
+    Ok(Some(per_dtype!(a.dtype(), "add_rms_rows", "add + norm", launch)))
+}
+
+/// `add_packs` in norm.cu: a + b for contiguous a and b of one dtype and element count, each sum
+/// rounded once as candle's add rounds it; `None` where the count or an offset does not allow
+/// 16 bytes a thread.
+pub fn add_packs((a, al): (&CudaStorage, &Layout), (b, bl): (&CudaStorage, &Layout)) -> Result<Option<CudaStorage>> {
+    let dev = a.device().clone();
+    let count = al.shape().elem_count();
+    if bl.shape().elem_count() != count || a.dtype() != b.dtype() {
+        candle_core::bail!("residual add: {:?} {:?} and {:?} {:?}", al.shape(), a.dtype(), bl.shape(), b.dtype());
+    }
+    macro_rules! launch {
+        ($ty:ty, $name:expr) => {{
+            if !vec16::<$ty>(count, &[al.start_offset(), bl.start_offset()]) {
+                return Ok(None);
+            }
+            let packs = (count / (16 / std::mem::size_of::<$ty>())) as i64;
+            let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<$ty>(count)? };
+            let func = function(&dev, $name)?;
+            // Enough blocks of 256 to fill the GPU several times over; each thread strides on.
+            let blocks = (packs as usize).div_ceil(256).clamp(1, 132 * 16) as u32;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let stream = dev.cuda_stream();
+            let mut builder = stream.launch_builder(&func);
+            builder.arg(&av).arg(&bv).arg(&out).arg(&packs);
+            // SAFETY: argument list matches `add_packs_*` in norm.cu.
+            unsafe { builder.launch(cfg) }.w()?;
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }};
+    }
+    Ok(Some(per_dtype!(a.dtype(), "add_packs", "residual add", launch)))
 }
