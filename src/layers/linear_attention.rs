@@ -102,15 +102,20 @@ impl Projections {
                 // With gradients on a GPU (trained weights, as in recovery): one product over the
                 // stacked weights, not three and a copy of their outputs, whose backward would add
                 // up each output's gradient again.
-                let stack = !x.device().is_cpu()
-                    && qkv.iter().all(|p| p.adapter().is_none() && p.bias().is_none())
-                    && !crate::ops::untracked(&[x, q.weight(), k.weight(), v.weight()]);
-                let (qkv, linked) = if stack {
+                // Without gradients (a trained model's passes that build no graph) the same one
+                // product over the weights as they stand: three products and the copy of their
+                // outputs into one took 1.3 ms a layer at 16 x 2048 tokens of a 1.3B model.
+                let stack = !x.device().is_cpu() && qkv.iter().all(|p| p.adapter().is_none() && p.bias().is_none());
+                let tracked = !crate::ops::untracked(&[x, q.weight(), k.weight(), v.weight()]);
+                let (qkv, linked) = if stack && tracked {
                     let w = Linear::new(Tensor::cat(&qkv.map(|p| p.weight()), 0)?, None);
                     match w.forward_linked(x)?.filter(|_| link) {
                         Some(y) => linked(y),
                         None => (w.forward(x)?, None),
                     }
+                } else if stack {
+                    let w = Linear::new(Tensor::cat(&qkv.map(|p| p.weight().detach()), 0)?, None);
+                    (crate::ops::linear(&w, x)?, None)
                 } else {
                     (Tensor::cat(&[q.forward(x)?, k.forward(x)?, v.forward(x)?], 2)?, None)
                 };
