@@ -20,6 +20,12 @@
 #            round alternating
 #   budget   the same within --train-memory 45GiB
 #   fla      fla's chunk_delta_rule beside NEW's recurrence at dk 64 and 128
+#   stepncu  per-kernel GPU time (ncu) of one DeltaNet 1.3B recovery step of NEW within
+#            --train-memory 45GiB, 16 x 2048 tokens
+#   calib    calibration of the 1.3B DeltaNet and Gated DeltaNet, profiled (STATECUT_PROFILE=1,
+#            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
+#   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
+#            kernels, at the unpruned teachers' shapes (B = 16, T = 2048)
 set -u
 NEW=${NEW:?NEW names the build under test}
 OLD=${OLD:-}
@@ -79,12 +85,13 @@ st_ncuall() {
   ncu_times $NEW 16,2048,8,128,256 head gdn "" $1
 }
 
-# A gpu_bench.sh bundle with build $1 as statecut and $2 as statecut_before.
+# A gpu_bench.sh bundle with build $1 as statecut and $2 (if given) as statecut_before.
 bundle() {
-  local d=/tmp/bund_$1_$2
+  local d=/tmp/bund_$1_${2:-none}
   if [ ! -d $d ]; then
     mkdir -p $d/shared/data; cp -r "$COMMON"/whl "$COMMON"/tokenizer $d/; cp -r "$COMMON"/shared/data/calib $d/shared/data/
-    xz -0 -T0 -c /tmp/bins/$1/statecut > $d/statecut.xz; xz -0 -T0 -c /tmp/bins/$2/statecut > $d/statecut_before.xz
+    xz -0 -T0 -c /tmp/bins/$1/statecut > $d/statecut.xz
+    [ -n "$2" ] && xz -0 -T0 -c /tmp/bins/$2/statecut > $d/statecut_before.xz
   fi
   echo $d
 }
@@ -134,8 +141,39 @@ for f in ("fla", "statecut"):
 PY
 }
 
+st_stepncu() {
+  local d=$(bundle $NEW "") M=delta_net_1p3b CK=/tmp/ck
+  rm -rf /tmp/gpu_bench_results
+  RECOVER_REFERENCE=0 RECOVER_STEPS=2 RECOVER_ARGS="--train-memory 45GiB" \
+    bash scripts/gpu_bench.sh $d $1/warm recover:$M > $1/warm.txt 2>&1
+  grep -E "statecut after" $1/warm.txt
+  timeout $(( $(left) - 30 )) $NCU --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    /tmp/bins/$NEW/statecut recover -m $CK/$M-rp50 --teacher $CK/$M --data $d/shared/data/calib/wiki.jsonl --steps 1 \
+    --batch-size 16 --seqlen 2048 --warmup 0 --device cuda --dtype bf16 --train-memory 45GiB -q -o $CK/ncu-rec \
+    > $W/step.csv 2> $1/ncu.err
+  echo "ncu rc $?"; tail -2 $1/ncu.err
+  python3 scripts/kernel_times.py $W/step.csv --top 80 --json $1/step_summary.json > $1/step.txt 2>&1; head -100 $1/step.txt
+  xz -6 -c $W/step.csv > $1/step.csv.xz; rm -rf $CK/ncu-rec
+}
+
+st_calib() {
+  local d=$(bundle $NEW "$OLD")
+  bash scripts/gpu_bench.sh $d $1/x calib:delta_net_1p3b calib:gdn_1p3b > $1/stdout.txt 2>&1
+  grep -E "^calib|^\{|^(total|recurrence|mlp)" $1/stdout.txt
+  mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
+}
+
+st_nograd() {
+  for s in "16,2048,16,128,128 none" "16,2048,8,256,256 head"; do
+    set -- $s
+    /tmp/bins/$NEW/recurrence --shape $1 --decay $2 --iterations 5 --forms fused,chunked-kernels 2>>$W/nograd.log |
+      tee -a $W/nograd.jsonl | python3 -c 'import json,sys
+for l in sys.stdin: r=json.loads(l); print(r.get("form"), r["b"], r["h"], r["dk"], r["dv"], r["decay"], r["pass"], round(r["ms"],3))'
+  done
+}
+
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [nograd]=20)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"
