@@ -77,8 +77,8 @@ GATED_RMS(gated_rms_f16, __half)
 // The backward of gated_rms (gated or not) over rows of width n <= RMS_BWD_MAX_N: with
 // x^ = x r, r = (mean(x^2) + eps)^(-1/2), y = x^ w s(g), s = silu (or 1), and u = dy s(g):
 // dx = r (u w - x^ mean(u w x^)), dg = dy x^ w silu'(g), dw = sum over rows of u x^. Float32
-// out: dx [rows n], then dg [rows n] when gated, then partial dw [blocks * warps, n] (the
-// caller adds them up). One warp per row, RMS_BWD_ROWS rows per block; each warp sums dw over
+// out: dx [rows n], then dg [rows n] when gated, then partial dw [blocks * warps, n], or
+// [blocks, n] where PK > 0 (the caller adds them up). One warp per row, RMS_BWD_ROWS rows per block; each warp sums dw over
 // its rows into its own row of the partials, in a fixed order, so the result does not depend
 // on scheduling as shared-memory atomics would. (Two 128-wide rows a warp, as gated_rms takes
 // them, measured slower here: 0.39 against 0.34 ms a launch at 524,288 rows on an H100.)
@@ -220,9 +220,25 @@ __device__ void rms_bwd_rows(const T *__restrict__ x, const T *__restrict__ gate
     }
   }
   if (PK > 0) {
+    // The block's warps add their partials into one row, warp by warp in order (a fixed order,
+    // as the partials' own), so the caller sums a row a block, not eight: the eight took a
+    // transposed copy of 33 MB at 2048 wide. Lanes touch only their own columns, so one
+    // barrier a warp orders the adds.
+    __shared__ __align__(16) float rowsum[32 * 8 * RMS_BWD_PACKS];
+    float *bw = out + (int64_t)blockIdx.x * n;
+    for (int w = 0; w < warps; w++) {
+      if (warp == w) {
 #pragma unroll
-    for (int k = 0; k < (PK > 0 ? PK : 1); k++)
-      if (i0 + k * step < n) store_floats<V>(dw + i0 + k * step, acc[k]);
+        for (int k = 0; k < (PK > 0 ? PK : 1); k++) {
+          const int i = i0 + k * step;
+          if (i >= n) continue;
+#pragma unroll
+          for (int e = 0; e < V; e++) rowsum[i + e] = (w == 0 ? 0.0f : rowsum[i + e]) + acc[k][e];
+          if (w == warps - 1) store_floats<V>(bw + i, &rowsum[i]);
+        }
+      }
+      __syncthreads();
+    }
   }
 }
 

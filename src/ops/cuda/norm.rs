@@ -61,6 +61,9 @@ pub fn gated_rms(
 /// Rows per block of `rms_bwd` (`RMS_BWD_ROWS` in norm.cu).
 const RMS_BWD_ROWS: usize = 64;
 
+/// The most packs of 16 bytes a lane keeps its partial dw for in `rms_bwd` (`RMS_BWD_PACKS`).
+const RMS_BWD_PACKS: usize = 8;
+
 /// The lanes of a warp that take a row of `n` elements of T in `gated_rms` (g in
 /// norm.cu): with 16 bytes a lane (`vec`), as many as a row has packs where that is fewer than
 /// 32 and divides 32, so that a warp takes several rows; otherwise the whole warp.
@@ -98,7 +101,6 @@ pub fn rms_bwd(
     let n = x.1.shape().dims().last().copied().unwrap_or(1);
     let rows = x.1.shape().elem_count() / n.max(1);
     let blocks = rows.div_ceil(RMS_BWD_ROWS);
-    let count = blocks * 8;
     let wv = view::<f32>(w, "norm backward weight")?;
     let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let (ri, ni, gi) = (rows as i32, n as i32, gated as i32);
@@ -110,7 +112,16 @@ pub fn rms_bwd(
             let rv = res.map(|r| view::<$ty>(r, "residual gradient")).transpose()?;
             let mut offsets = vec![x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
             offsets.extend(res.map(|r| r.1.start_offset()));
-            let vec = (vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()])) as i32;
+            let vec = vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()]);
+            // A block's warps keep their partials in registers and add them into one row where
+            // a lane holds at most RMS_BWD_PACKS packs of a row (PK > 0 in norm.cu), else a row
+            // a warp.
+            let per = 16 / std::mem::size_of::<$ty>();
+            let count = match vec && n.div_ceil(32 * per) <= RMS_BWD_PACKS {
+                true => blocks,
+                false => blocks * 8,
+            };
+            let vec = vec as i32;
             let func = function(&dev, $name)?;
             // SAFETY: the kernel writes every dx (every dg when gated) and every block's partial dw.
             let dxt = unsafe { dev.alloc::<$ty>(rows * n)? };
