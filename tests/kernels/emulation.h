@@ -29,7 +29,7 @@ struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 inline thread_local dim3 threadIdx;
-inline dim3 blockIdx, blockDim;
+inline dim3 blockIdx, blockDim, gridDim;
 
 struct float2 {
   float x, y;
@@ -45,6 +45,7 @@ inline unsigned __float_as_uint(float x) {
   return u;
 }
 inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;
 using std::min;
 [[noreturn]] inline void __trap() { std::abort(); }
@@ -74,6 +75,7 @@ inline float operand(float x) {
 // Run `kernel` (a callable with no arguments) over `grid` blocks of `block` threads.
 template <class F> void launch(dim3 grid, dim3 threads, F kernel) {
   blockDim = threads;
+  gridDim = grid;
   const unsigned n = threads.x * threads.y * threads.z;
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)

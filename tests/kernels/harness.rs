@@ -3,13 +3,19 @@
 
 /// Builds tests/kernels/chunk_kernels.cpp into `out` with the host's C++ compiler (`CXX`, else
 /// `c++`), with TF32 operands in the emulated products or float32 ones.
+#[allow(dead_code)] // tests/norm_kernels_on_host.rs includes this file for build_kernels_cpp alone
 fn build_harness(out: &std::path::Path, tf32: bool) {
+    build_kernels_cpp("chunk_kernels.cpp", out, tf32);
+}
+
+/// Builds tests/kernels/`source` into `out` (see [`build_harness`]).
+fn build_kernels_cpp(source: &str, out: &std::path::Path, tf32: bool) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
     let mut cmd = std::process::Command::new(&cxx);
     cmd.args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-I"])
         .arg(root.join("tests/kernels/include"))
-        .arg(root.join("tests/kernels/chunk_kernels.cpp"))
+        .arg(root.join("tests/kernels").join(source))
         .arg("-o")
         .arg(out);
     if tf32 {
@@ -20,5 +26,5 @@ fn build_harness(out: &std::path::Path, tf32: bool) {
             "this test compiles tests/kernels with a C++20 compiler: `{cxx}` did not run ({e}); install g++ or set CXX"
         )
     });
-    assert!(status.success(), "{cxx} failed on tests/kernels/chunk_kernels.cpp");
+    assert!(status.success(), "{cxx} failed on tests/kernels/{source}");
 }

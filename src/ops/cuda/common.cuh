@@ -15,6 +15,14 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+// A block's shared array declared in a kernel. The host emulation (tests/kernels) runs a block's
+// threads as OS threads and its blocks in turn, so there the block's array is a static one.
+#ifdef STATECUT_EMULATED
+#define BLOCK_SHARED static
+#else
+#define BLOCK_SHARED __shared__
+#endif
+
 // The sum of x over the 32 lanes of a warp, every lane getting it.
 __device__ __forceinline__ float warp_sum(float x) {
   for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);

@@ -90,8 +90,10 @@ GATED_RMS(gated_rms_f16, __half)
 // added afterwards; `out` holds the dw partials. With PK > 0 (vec, and at most PK packs a
 // lane) a lane keeps its partial dw in registers until its last row, where at PK = 0 it loads
 // and stores it at every row: 16 KB of traffic a row of 2048, as much as the row's own reads
-// and writes. PK is the fewest of 1, 2, 4, 8 that holds the lane's packs: registers held for
-// packs a row does not have cost occupancy (0.71 against 0.34 ms at 128 wide with eight).
+// and writes. PK is the fewest of 1, 2, 4, 8 that holds the lane's packs, and PK = 0 where a
+// row has fewer packs than a warp has lanes: at 128 wide (bf16) the register path measured 0.60
+// to 0.71 ms a launch on an H100 against 0.34 for PK = 0, its many short blocks paying for the
+// registers and the block's adds at the end.
 #define RMS_BWD_PACKS 8
 template <typename T, int PK>
 __device__ void rms_bwd_rows(const T *__restrict__ x, const T *__restrict__ gate, const float *__restrict__ w,
@@ -224,7 +226,7 @@ __device__ void rms_bwd_rows(const T *__restrict__ x, const T *__restrict__ gate
     // as the partials' own), so the caller sums a row a block, not eight: the eight took a
     // transposed copy of 33 MB at 2048 wide. Lanes touch only their own columns, so one
     // barrier a warp orders the adds.
-    __shared__ __align__(16) float rowsum[32 * 8 * RMS_BWD_PACKS];
+    BLOCK_SHARED float rowsum[32 * 8 * RMS_BWD_PACKS];
     float *bw = out + (int64_t)blockIdx.x * n;
     for (int w = 0; w < warps; w++) {
       if (warp == w) {
@@ -248,7 +250,7 @@ __device__ void rms_bwd(const T *x, const T *gate, const float *w, const T *dy, 
   constexpr int V = 16 / sizeof(T);
   const int packs = vec ? (n + 32 * V - 1) / (32 * V) : 0;
 #define RMS_BWD_PK(PK) rms_bwd_rows<T, PK>(x, gate, w, dy, res, dxt, dgt, out, rows, n, eps, gated, vec)
-  if (!vec || packs > RMS_BWD_PACKS)
+  if (!vec || n < 32 * V || packs > RMS_BWD_PACKS)
     RMS_BWD_PK(0);
   else if (packs == 1)
     RMS_BWD_PK(1);
@@ -277,7 +279,7 @@ RMS_BWD(f16, __half)
 template <typename T>
 __device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const float *__restrict__ w,
                         T *__restrict__ out, int rows, int n, float eps) {
-  __shared__ float red[32];
+  BLOCK_SHARED float red[32];
   const int row = blockIdx.x;
   if (row >= rows) return;
   const long long o = (long long)row * n;

@@ -114,10 +114,10 @@ pub fn rms_bwd(
             offsets.extend(res.map(|r| r.1.start_offset()));
             let vec = vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()]);
             // A block's warps keep their partials in registers and add them into one row where
-            // a lane holds at most RMS_BWD_PACKS packs of a row (PK > 0 in norm.cu), else a row
-            // a warp.
+            // every lane has a pack of a row and at most RMS_BWD_PACKS (PK > 0 in norm.cu), else
+            // a row a warp.
             let per = 16 / std::mem::size_of::<$ty>();
-            let count = match vec && n.div_ceil(32 * per) <= RMS_BWD_PACKS {
+            let count = match vec && n >= 32 * per && n.div_ceil(32 * per) <= RMS_BWD_PACKS {
                 true => blocks,
                 false => blocks * 8,
             };
