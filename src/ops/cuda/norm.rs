@@ -256,8 +256,9 @@ pub fn add_packs((a, al): (&CudaStorage, &Layout), (b, bl): (&CudaStorage, &Layo
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<$ty>(count)? };
             let func = function(&dev, $name)?;
-            // Enough blocks of 256 to fill the GPU several times over; each thread strides on.
-            let blocks = (packs as usize).div_ceil(256).clamp(1, 132 * 16) as u32;
+            // A thread a pack, up to 4096 blocks of 256 (a large GPU's worth many times over);
+            // past that each thread strides on.
+            let blocks = (packs as usize).div_ceil(256).clamp(1, 4096) as u32;
             let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let stream = dev.cuda_stream();
             let mut builder = stream.launch_builder(&func);
