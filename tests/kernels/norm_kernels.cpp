@@ -1,8 +1,8 @@
 // The norm kernels of src/ops/cuda/norm.cu run on the host (emulation.h), float32 and bf16, each
 // path against a float64 reference of what it computes: the gated norm 16 bytes a lane (a warp or
 // part of one a row) and element by element, its backward with the partial dw in registers (PK > 0)
-// and in memory (PK = 0), the residual add with the norm a warp a row, and the packed add. Exits
-// non-zero, naming the check, where one is off; prints one line per check.
+// and in memory (PK = 0), the residual add with the norm a warp a row and a block a row, and the
+// packed add. Exits non-zero, naming the check, where one is off; prints one line per check.
 #include "emulation.h"
 #include "../../src/ops/cuda/norm.cu"
 
@@ -159,9 +159,14 @@ template <class T> void residual(int rows, int n) {
               [&] { add_rms_rows<T>(a.data(), b.data(), w.data(), h.data(), y.data(), rows, n, 1e-6f); });
   const std::string what = std::string(name<T>()) + " " + std::to_string(rows) + " x " + std::to_string(n);
   check("add_rms_rows " + what, wide(y), want, tol<T>());
+  // The block-a-row kernel (a decoding step's few rows) takes the same arguments.
+  std::vector<T> hb(len), yb(len);
+  emu::launch(dim3{unsigned(rows), 1, 1}, dim3{256, 1, 1},
+              [&] { add_rms<T>(a.data(), b.data(), w.data(), hb.data(), yb.data(), rows, n, 1e-6f); });
+  check("add_rms " + what, wide(yb), want, tol<T>());
   const long long packs = (long long)(len / (16 / sizeof(T)));
   emu::launch(dim3{3, 1, 1}, dim3{256, 1, 1}, [&] { add_packs<T>(a.data(), b.data(), packed.data(), packs); });
-  for (const auto *out : {&h, &packed})
+  for (const auto *out : {&h, &hb, &packed})
     if (std::memcmp(out->data(), sum.data(), len * sizeof(T)) != 0) {
       std::fprintf(stderr, "%s: a sum differs from the rounded add\n", what.c_str());
       failures++;

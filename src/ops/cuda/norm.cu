@@ -274,21 +274,21 @@ RMS_BWD(f16, __half)
 
 // Residual add and RMSNorm in one pass: h = a + b rounded to T (as a separate add rounds), then
 // y = h / sqrt(mean(h²) + eps) · w in float32, rounded once. One block per row of width n (a
-// decoding step has as few rows as sequences, so a row is spread over the whole block);
-// out [2, rows, n] = h | y.
+// decoding step has as few rows as sequences, so a row is spread over the whole block); the
+// sum to h and the norm to y (add_rms_rows' arguments).
 template <typename T>
 __device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const float *__restrict__ w,
-                        T *__restrict__ out, int rows, int n, float eps) {
+                        T *__restrict__ h, T *__restrict__ y, int rows, int n, float eps) {
   BLOCK_SHARED float red[32];
   const int row = blockIdx.x;
   if (row >= rows) return;
   const long long o = (long long)row * n;
-  T *hr = out + o, *yr = out + (long long)rows * n + o;
+  T *hr = h + o, *yr = y + o;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const T h = from_f<T>(to_f(a[o + i]) + to_f(b[o + i]));
-    hr[i] = h;
-    ss += to_f(h) * to_f(h);
+    const T s = from_f<T>(to_f(a[o + i]) + to_f(b[o + i]));
+    hr[i] = s;
+    ss += to_f(s) * to_f(s);
   }
   ss = block_sum(ss, red);
   const float inv = rsqrtf(ss / n + eps);
@@ -297,9 +297,9 @@ __device__ void add_rms(const T *__restrict__ a, const T *__restrict__ b, const 
 }
 
 #define ADD_RMS(NAME, T)                                                                           \
-  extern "C" __global__ void NAME(const T *a, const T *b, const float *w, T *out, int rows, int n, \
+  extern "C" __global__ void NAME(const T *a, const T *b, const float *w, T *h, T *y, int rows, int n, \
                                   float eps) {                                                    \
-    add_rms<T>(a, b, w, out, rows, n, eps);                                                        \
+    add_rms<T>(a, b, w, h, y, rows, n, eps);                                                       \
   }
 ADD_RMS(add_rms_f32, float)
 ADD_RMS(add_rms_bf16, __nv_bfloat16)

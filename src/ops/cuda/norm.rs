@@ -148,39 +148,24 @@ pub fn rms_bwd(
 }
 
 /// `add_rms` in norm.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the
-/// float32 weight w [n]; output [2, rows, n].
+/// float32 weight w [n]; output [2, rows, n]. A warp a row (`add_rms_rows`) from
+/// [`ADD_RMS_ROWS_FROM`] rows on where 16 bytes a lane fit, else a block a row.
 pub fn add_rms(
-    (a, al): (&CudaStorage, &Layout),
-    (b, bl): (&CudaStorage, &Layout),
-    (w, wl): (&CudaStorage, &Layout),
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
     rows: usize,
     n: usize,
     eps: f32,
 ) -> Result<CudaStorage> {
+    let launch = |rows_kernel| add_rms_launch(a, b, w, rows, n, eps, true, rows_kernel);
     if rows >= ADD_RMS_ROWS_FROM {
-        if let Some((both, None)) = add_rms_rows((a, al), (b, bl), (w, wl), rows, n, eps, true)? {
+        if let Some((both, _)) = launch(true)? {
             return Ok(both);
         }
     }
-    let dev = a.device().clone();
-    let wv = view::<f32>((w, wl), "norm weight")?;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let ints = [rows as i32, n as i32];
-    macro_rules! launch {
-        ($ty:ty, $name:expr) => {{
-            let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
-            // SAFETY: the kernel writes both halves, 2 x rows x n outputs.
-            let out = unsafe { dev.alloc::<$ty>(2 * rows * n)? };
-            let func = function(&dev, $name)?;
-            let stream = dev.cuda_stream();
-            let mut builder = stream.launch_builder(&func);
-            builder.arg(&av).arg(&bv).arg(&wv).arg(&out).arg(&ints[0]).arg(&ints[1]).arg(&eps);
-            // SAFETY: argument list matches `add_rms_*` in norm.cu.
-            unsafe { builder.launch(cfg) }.w()?;
-            CudaStorage::wrap_cuda_slice(out, dev)
-        }};
-    }
-    Ok(per_dtype!(a.dtype(), "add_rms", "add + norm", launch))
+    let both = launch(false)?.map(|(both, _)| both);
+    both.ok_or_else(|| candle_core::Error::Msg("add + norm: a block a row refused the layout".into()))
 }
 
 /// Rows from which [`add_rms`] takes a warp a row (`add_rms_rows`): below, a decoding step's few
@@ -190,8 +175,22 @@ const ADD_RMS_ROWS_FROM: usize = 256;
 /// `add_rms_rows` in norm.cu: (a + b, norm(a + b)) for contiguous a, b [rows, n] of one dtype and
 /// the float32 weight w [n], in two buffers, or in one [2, rows, n] (`joined`, as [`add_rms`]
 /// returns it); `None` where n or an offset does not allow 16 bytes a lane.
-#[allow(clippy::too_many_arguments)]
 pub fn add_rms_rows(
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    rows: usize,
+    n: usize,
+    eps: f32,
+    joined: bool,
+) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
+    add_rms_launch(a, b, w, rows, n, eps, joined, true)
+}
+
+/// `add_rms_rows` (`rows_kernel`: a warp a row, 16 bytes a lane, `None` where those do not fit)
+/// or `add_rms` (a block a row, any width); the two kernels take the same arguments.
+#[allow(clippy::too_many_arguments)]
+fn add_rms_launch(
     (a, al): (&CudaStorage, &Layout),
     (b, bl): (&CudaStorage, &Layout),
     (w, wl): (&CudaStorage, &Layout),
@@ -199,18 +198,20 @@ pub fn add_rms_rows(
     n: usize,
     eps: f32,
     joined: bool,
+    rows_kernel: bool,
 ) -> Result<Option<(CudaStorage, Option<CudaStorage>)>> {
     let dev = a.device().clone();
-    if !vec16::<f32>(0, &[wl.start_offset()]) {
+    if rows_kernel && !vec16::<f32>(0, &[wl.start_offset()]) {
         return Ok(None);
     }
     let wv = view::<f32>((w, wl), "norm weight")?;
-    // One warp per row, eight rows per block.
-    let cfg = LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // A warp a row (eight rows a block) or a block a row.
+    let blocks = if rows_kernel { rows.div_ceil(8) } else { rows };
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let ints = [rows as i32, n as i32];
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
-            if !vec16::<$ty>(n, &[al.start_offset(), bl.start_offset()]) {
+            if rows_kernel && !vec16::<$ty>(n, &[al.start_offset(), bl.start_offset()]) {
                 return Ok(None);
             }
             let (av, bv) = (view::<$ty>((a, al), "residual")?, view::<$ty>((b, bl), "residual update")?);
@@ -228,13 +229,16 @@ pub fn add_rms_rows(
                 let stream = dev.cuda_stream();
                 let mut builder = stream.launch_builder(&func);
                 builder.arg(&av).arg(&bv).arg(&wv).arg(&hv).arg(&yv).arg(&ints[0]).arg(&ints[1]).arg(&eps);
-                // SAFETY: argument list matches `add_rms_rows_*` in norm.cu.
+                // SAFETY: argument list matches `add_rms_*` and `add_rms_rows_*` in norm.cu.
                 unsafe { builder.launch(cfg) }.w()?;
             }
             (CudaStorage::wrap_cuda_slice(h, dev.clone()), y.map(|y| CudaStorage::wrap_cuda_slice(y, dev.clone())))
         }};
     }
-    Ok(Some(per_dtype!(a.dtype(), "add_rms_rows", "add + norm", launch)))
+    Ok(Some(match rows_kernel {
+        true => per_dtype!(a.dtype(), "add_rms_rows", "add + norm", launch),
+        false => per_dtype!(a.dtype(), "add_rms", "add + norm", launch),
+    }))
 }
 
 /// `add_packs` in norm.cu: a + b for contiguous a and b of one dtype and element count, each sum
