@@ -357,6 +357,7 @@ fn forward_per_channel(rec: &Recurrence, gk: &Tensor, form: Form) -> Result<(Ten
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::prep::Heads;
     use candle_core::Var;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -395,6 +396,19 @@ mod tests {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n).map(|_| lo + (hi - lo) * rng.random::<f32>()).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// A variable of `rand`'s draws in `dtype`.
+    fn rand_var(shape: &[usize], rng: &mut StdRng, lo: f32, hi: f32, dtype: DType) -> Result<Var> {
+        Var::from_tensor(&rand(shape, rng, lo, hi).to_dtype(dtype)?)
+    }
+
+    /// The linked-chain tests' [q | k | v] rows: `h` heads of `dk` for q and k (L2-normed), `h` of
+    /// `dv` for v, and the rows' width.
+    fn qkv_heads(h: usize, dk: usize, dv: usize) -> (Heads, Heads, Heads, usize) {
+        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
+        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
+        (q, k, v, 2 * h * dk + h * dv)
     }
 
     struct Inputs {
@@ -572,18 +586,15 @@ mod tests {
     /// multiple of the chunk.
     #[test]
     fn linked_inputs_match_tracked_ones() -> Result<()> {
-        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked, heads_qk_chunks, heads_qk_linked, Heads};
+        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked, heads_qk_chunks, heads_qk_linked};
         let mut rng = StdRng::seed_from_u64(31);
         let (b, t, h, dk, dv, taps) = (2, 70, 2, 8, 6, 4);
-        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
-        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
-        let width = 2 * h * dk + h * dv;
+        let (q, k, v, width) = qkv_heads(h, dk, dv);
         let c = chunk_len(t);
         for dtype in [DType::F32, DType::BF16] {
             for conv in [false, true] {
-                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
-                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
-                };
+                let mut var =
+                    |shape: &[usize], lo: f32, hi: f32, dtype: DType| rand_var(shape, &mut rng, lo, hi, dtype);
                 let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
                 let w = var(&[width, taps], -0.5, 0.5, dtype)?;
                 let bias = var(&[width], -0.5, 0.5, dtype)?;
@@ -620,19 +631,16 @@ mod tests {
     #[test]
     fn a_linked_projection_matches_a_tracked_one() -> Result<()> {
         use crate::ops::link::Operand;
-        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked, Heads};
+        use crate::ops::prep::{conv_heads_qk_chunks, conv_heads_qk_linked};
         use crate::ops::projection::{linked_linear, trained_linear};
         let mut rng = StdRng::seed_from_u64(37);
         let (b, t, h, dk, dv, taps, inp) = (2, 70, 2, 8, 6, 4, 5);
-        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
-        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
-        let width = 2 * h * dk + h * dv;
+        let (q, k, v, width) = qkv_heads(h, dk, dv);
         let c = chunk_len(t);
         for dtype in [DType::F32, DType::BF16] {
             for trained in [true, false] {
-                let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
-                    Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
-                };
+                let mut var =
+                    |shape: &[usize], lo: f32, hi: f32, dtype: DType| rand_var(shape, &mut rng, lo, hi, dtype);
                 let x = var(&[b, t, inp], -1.0, 1.0, dtype)?;
                 let proj = var(&[width, inp], -0.5, 0.5, dtype)?;
                 let w = var(&[width, taps], -0.5, 0.5, dtype)?;
@@ -671,19 +679,15 @@ mod tests {
         use crate::ops::link::Operand;
         use crate::ops::mlp::{frozen_mlp_step, frozen_mlp_step_from};
         use crate::ops::norm::{norm_projected, NormWeight, RmsNorm};
-        use crate::ops::prep::{conv_heads_qk_linked, Heads};
+        use crate::ops::prep::conv_heads_qk_linked;
         let mut rng = StdRng::seed_from_u64(41);
         let (b, t, h, dk, dv, taps, out, n) = (2, 70, 2, 8, 6, 4, 5, 3);
-        let q = Heads { off: 0, heads: h, d: dk, rep: 1, norm: Some(1e-6) };
-        let (k, v) = (Heads { off: h * dk, ..q }, Heads { off: 2 * h * dk, heads: h, d: dv, rep: 1, norm: None });
-        let width = 2 * h * dk + h * dv;
+        let (q, k, v, width) = qkv_heads(h, dk, dv);
         let c = chunk_len(t);
         let cases =
             [DType::F32, DType::BF16].into_iter().flat_map(|d| [false, true].map(|g| [(d, g, false), (d, g, true)]));
         for (dtype, gated, step) in cases.flatten() {
-            let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| {
-                Var::from_tensor(&rand(shape, &mut rng, lo, hi).to_dtype(dtype)?)
-            };
+            let mut var = |shape: &[usize], lo: f32, hi: f32, dtype: DType| rand_var(shape, &mut rng, lo, hi, dtype);
             let x = var(&[b, t, width], -1.0, 1.0, dtype)?;
             let w = var(&[width, taps], -0.5, 0.5, dtype)?;
             let bias = var(&[width], -0.5, 0.5, dtype)?;
