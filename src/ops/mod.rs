@@ -353,6 +353,57 @@ mod tests {
         Ok(())
     }
 
+    /// candle's backward (vendor/candle-core: a first gradient is stored, not added into zeros)
+    /// sums the gradients of a tensor read several times, subtracts where a rule subtracts, and
+    /// hands a strided first gradient (a transpose's) over contiguous.
+    #[test]
+    fn backward_sums_fan_in_and_stores_first_gradients_contiguous() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev)?)?;
+        let c = Tensor::randn(0f32, 1.0, (4, 3), &dev)?;
+        let xs = x.as_tensor();
+        // L = Σ x² + Σ xᵀ∘C − Σ 3x: dL/dx = 2x + Cᵀ − 3.
+        let loss = ((xs.sqr()?.sum_all()? + (xs.t()? * &c)?.sum_all()?)? - (xs * 3.0)?.sum_all()?)?;
+        let got = loss.backward()?.get(xs).expect("a gradient of x").clone();
+        let want = (((xs * 2.0)? + c.t()?)? - 3.0)?;
+        assert!((&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        let strided = (xs.t()? * &c)?.sum_all()?.backward()?;
+        let first = strided.get(xs).expect("a gradient of x");
+        assert!(first.is_contiguous());
+        assert_eq!(first.to_vec2::<f32>()?, c.t()?.to_vec2::<f32>()?);
+        // The subtracted side's first gradient is the negation.
+        let y = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev)?)?;
+        let grads = (xs - y.as_tensor())?.sum_all()?.backward()?;
+        assert_eq!(grads.get(y.as_tensor()).expect("a gradient of y").to_vec2::<f32>()?, vec![vec![-1f32; 4]; 3]);
+        Ok(())
+    }
+
+    /// A backward that hands over a gradient of the wrong shape is refused, as when every
+    /// gradient was added into zeros of the input's shape.
+    #[test]
+    fn a_gradient_of_the_wrong_shape_is_refused() -> candle_core::Result<()> {
+        struct Narrow;
+        impl candle_core::CustomOp1 for Narrow {
+            fn name(&self) -> &'static str {
+                "test-wrong-gradient"
+            }
+            fn cpu_fwd(
+                &self,
+                s: &candle_core::CpuStorage,
+                l: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                Ok((s.clone(), l.shape().clone()))
+            }
+            fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+                Ok(Some(grad.narrow(0, 0, x.dim(0)? - 1)?))
+            }
+        }
+        let x = Var::from_tensor(&Tensor::ones((3, 2), candle_core::DType::F32, &Device::Cpu)?)?;
+        let err = x.as_tensor().apply_op1(Narrow)?.sum_all()?.backward().err().expect("refused");
+        assert!(err.to_string().contains("shape mismatch"), "{err}");
+        Ok(())
+    }
+
     /// Column slices of wider matrices are row views; sizes of one carry any stride; transposed
     /// or overlapping layouts are not row views.
     #[test]
