@@ -399,7 +399,7 @@ mod tests {
             }
         }
         let x = Var::from_tensor(&Tensor::ones((3, 2), candle_core::DType::F32, &Device::Cpu)?)?;
-        let err = x.as_tensor().apply_op1(Narrow)?.sum_all()?.backward().err().expect("refused");
+        let err = x.as_tensor().apply_op1(Narrow)?.sum_all()?.backward().expect_err("refused");
         assert!(err.to_string().contains("shape mismatch"), "{err}");
         Ok(())
     }
