@@ -53,7 +53,19 @@ fn head(
     let _s = crate::profile::span("head", h.device());
     let h = norm.forward(h)?;
     obs.hidden(index, &h)?;
-    Ok(if obs.needs_logits() { candle_core::Module::forward(lm_head, &h)? } else { h })
+    if !obs.needs_logits() {
+        return Ok(h);
+    }
+    // With a gradient flowing into h through a frozen head (recovery's loss), one product each
+    // way: candle's matmul backward would also make the [vocab, hidden] weight's gradient, a
+    // product as large as the logits', and throw it away.
+    let w = lm_head.weight();
+    let frozen = lm_head.bias().is_none()
+        && !h.device().is_cpu()
+        && w.is_contiguous()
+        && crate::ops::untracked(&[w])
+        && !crate::ops::untracked(&[&h]);
+    Ok(if frozen { crate::ops::projection::frozen_linear(&h, w)? } else { candle_core::Module::forward(lm_head, &h)? })
 }
 
 /// A causal LM's stages, each loaded on demand from the weights it was opened on.
