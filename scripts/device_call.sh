@@ -5,9 +5,9 @@
 #
 #   NEW=a OLD=b STAGES="parity budget" LIMIT=560 ROUNDS=2 bash scripts/device_call.sh
 #
-# BUNDLES (default .dev/bundles) holds one <build>/bins.tar.xz per build, a tar of <build>/
-# with the stripped release binaries statecut, gpu_parity and recurrence (benches/recurrence.rs),
-# each built with --features cuda; a stage skips a binary the tar lacks. COMMON (default
+# BUNDLES (default .dev/bundles) holds <build>/bins.tar.xz, a tar of <build>/ (and of other
+# builds' folders, which then need no bundle of their own) with the stripped release binaries
+# statecut, gpu_parity and recurrence (benches/recurrence.rs), each built with --features cuda; a stage skips a binary the tar lacks. COMMON (default
 # .dev/common) holds whl/ (fla), tokenizer/ (tokenizer files for the random checkpoints) and
 # shared/data/calib/ (calibration text). Stages, NEW and OLD taking turns where both run:
 #   parity   the CUDA parity tests of NEW
@@ -36,7 +36,11 @@ ROUNDS=${ROUNDS:-2}
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 R=${OUT:-/tmp/out}; W=/tmp/device_call; mkdir -p "$R"; rm -rf $W /tmp/bins /tmp/bund_*; mkdir -p $W /tmp/bins
-for b in $NEW $OLD; do xz -dc "$BUNDLES/$b/bins.tar.xz" | tar -x -C /tmp/bins || exit 1; done
+# A bundle may hold several builds (one xz archive dedupes their shared kernels): a build that
+# an earlier bundle brought needs no bundle of its own.
+for b in $NEW $OLD; do
+  [ -d /tmp/bins/$b ] || xz -dc "$BUNDLES/$b/bins.tar.xz" | tar -x -C /tmp/bins || exit 1
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$COMMON"/whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site
 LIBS=$(ls -d /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib 2>/dev/null | head -1)
