@@ -92,8 +92,7 @@ GATED_RMS(gated_rms_f16, __half)
 // and stores it at every row: 16 KB of traffic a row of 2048, as much as the row's own reads
 // and writes. PK is the fewest of 1, 2, 4, 8 that holds the lane's packs, and PK = 0 where a
 // row has fewer packs than a warp has lanes: at 128 wide (bf16) the register path measured 0.60
-// to 0.71 ms a launch on an H100 against 0.34 for PK = 0, its many short blocks paying for the
-// registers and the block's adds at the end.
+// to 0.71 ms a launch on an H100 against 0.34 for PK = 0 in a kernel of its own.
 #define RMS_BWD_PACKS 8
 template <typename T, int PK>
 __device__ void rms_bwd_rows(const T *__restrict__ x, const T *__restrict__ gate, const float *__restrict__ w,
@@ -262,11 +261,23 @@ __device__ void rms_bwd(const T *x, const T *gate, const float *w, const T *dy, 
     RMS_BWD_PK(RMS_BWD_PACKS);
 #undef RMS_BWD_PK
 }
+
+// Two kernels: the dispatcher (every width; the host sends it the rows the register path takes)
+// and the memory path alone (every other width). Inside the dispatcher the memory path runs
+// with the register path's 166 registers a thread, one block a multiprocessor: 0.60 ms a launch
+// at 524,288 rows of 128 on an H100, against 0.33 as a kernel of its own (122 registers). A
+// kernel of the register path alone came out at 211 registers and 0.44 ms a launch at 2048
+// wide, against the dispatcher's 0.36, so the register path stays in the dispatcher.
 #define RMS_BWD(SUFFIX, T)                                                                                    \
   extern "C" __global__ void rms_bwd_##SUFFIX(const T *x, const T *gate, const float *w, const T *dy,          \
                                               const T *res, T *dxt, T *dgt, float *out, int rows, int n,       \
                                               float eps, int gated, int has_res, int vec) {                    \
     rms_bwd<T>(x, gate, w, dy, has_res ? res : nullptr, dxt, dgt, out, rows, n, eps, gated, vec);             \
+  }                                                                                                           \
+  extern "C" __global__ void rms_bwd_mem_##SUFFIX(const T *x, const T *gate, const float *w, const T *dy,      \
+                                                  const T *res, T *dxt, T *dgt, float *out, int rows, int n,   \
+                                                  float eps, int gated, int has_res, int vec) {                \
+    rms_bwd_rows<T, 0>(x, gate, w, dy, has_res ? res : nullptr, dxt, dgt, out, rows, n, eps, gated, vec);     \
   }
 RMS_BWD(f32, float)
 RMS_BWD(bf16, __nv_bfloat16)

@@ -114,15 +114,16 @@ pub fn rms_bwd(
             offsets.extend(res.map(|r| r.1.start_offset()));
             let vec = vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()]);
             // A block's warps keep their partials in registers and add them into one row where
-            // every lane has a pack of a row and at most RMS_BWD_PACKS (PK > 0 in norm.cu), else
-            // a row a warp.
+            // every lane has a pack of a row and at most RMS_BWD_PACKS (PK > 0 in `rms_bwd_*`),
+            // else a row a warp (`rms_bwd_mem_*`: see norm.cu for why a kernel of its own).
             let per = 16 / std::mem::size_of::<$ty>();
-            let count = match vec && n >= 32 * per && n.div_ceil(32 * per) <= RMS_BWD_PACKS {
-                true => blocks,
-                false => blocks * 8,
-            };
+            let regs = vec && n >= 32 * per && n.div_ceil(32 * per) <= RMS_BWD_PACKS;
+            let count = if regs { blocks } else { blocks * 8 };
             let vec = vec as i32;
-            let func = function(&dev, $name)?;
+            let func = match regs {
+                true => function(&dev, $name)?,
+                false => function(&dev, &$name.replacen("rms_bwd", "rms_bwd_mem", 1))?,
+            };
             // SAFETY: the kernel writes every dx (every dg when gated) and every block's partial dw.
             let dxt = unsafe { dev.alloc::<$ty>(rows * n)? };
             let dgt = if gated { Some(unsafe { dev.alloc::<$ty>(rows * n)? }) } else { None };
@@ -134,7 +135,7 @@ pub fn rms_bwd(
             builder.arg(&xv).arg(&gv).arg(&wv).arg(&dv).arg(rv.as_ref().unwrap_or(&dv)).arg(&dxt);
             builder.arg(dgt.as_ref().unwrap_or(&dxt));
             builder.arg(&out).arg(&ri).arg(&ni).arg(&eps).arg(&gi).arg(&hi).arg(&vec);
-            // SAFETY: argument list matches `rms_bwd_*` in norm.cu.
+            // SAFETY: argument list matches `rms_bwd_*` and `rms_bwd_mem_*` in norm.cu.
             unsafe { builder.launch(cfg) }.w()?;
             RmsGrads {
                 dx: CudaStorage::wrap_cuda_slice(dxt, dev.clone()),
