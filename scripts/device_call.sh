@@ -24,6 +24,8 @@
 #            --train-memory 45GiB, 16 x 2048 tokens
 #   calib    calibration of the 1.3B DeltaNet and Gated DeltaNet, profiled (STATECUT_PROFILE=1,
 #            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
+#   grad     the Grad selector on the Gated DeltaNet 1.3B (scripts/gpu_bench.sh grad:gdn_1p3b,
+#            128 x 2048 tokens), NEW then OLD: time and peak memory
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
 #            kernels, at the unpruned teachers' shapes (B = 16, T = 2048)
 set -u
@@ -158,6 +160,13 @@ st_stepncu() {
   echo "ncu rc $?"; tail -2 $1/ncu.err
   python3 scripts/kernel_times.py $W/step.csv --top 80 --json $1/step_summary.json > $1/step.txt 2>&1; head -100 $1/step.txt
   xz -6 -c $W/step.csv > $1/step.csv.xz; rm -rf $CK/ncu-rec
+}
+
+st_grad() {
+  local d=$(bundle $NEW "$OLD")
+  BEFORE=1 GRAD_SAMPLES=128 bash scripts/gpu_bench.sh $d $1/x grad:gdn_1p3b > $1/stdout.txt 2>&1
+  grep -E "^grad|seconds|peak" $1/stdout.txt
+  mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
 }
 
 st_calib() {
