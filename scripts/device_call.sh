@@ -8,8 +8,9 @@
 # BUNDLES (default .dev/bundles) holds <build>/bins.tar.xz, a tar of <build>/ (and of other
 # builds' folders, which then need no bundle of their own) with the stripped release binaries
 # statecut, gpu_parity and recurrence (benches/recurrence.rs), each built with --features cuda;
-# a stage skips a binary the tar lacks. COMMON (default .dev/common) holds whl/ (fla), tokenizer/ (tokenizer files for the random checkpoints) and
-# shared/data/calib/ (calibration text). Stages, NEW and OLD taking turns where both run:
+# a stage skips a binary the tar lacks. COMMON (default .dev/common) holds whl/ (fla),
+# tokenizer/ (tokenizer files for the random checkpoints) and shared/data/calib/ (calibration
+# text). Stages, NEW and OLD taking turns where both run:
 #   parity   the CUDA parity tests of NEW
 #   mixer    the recurrence alone (chunk kernels, forward and forward + backward, bf16) at the
 #            pruned DeltaNet's, the pruned Gated DeltaNet's and dk 128 shapes, ROUNDS rounds
