@@ -107,10 +107,7 @@ impl Linear {
     /// Whether x takes [`crate::ops::projection::frozen_linear`]: off the CPU, a gradient flowing
     /// through x and none into a weight with contiguous rows.
     fn frozen_under_gradient(&self, x: &Tensor) -> bool {
-        !x.device().is_cpu()
-            && self.weight().is_contiguous()
-            && !crate::ops::untracked(&[x])
-            && crate::ops::untracked(&[self.weight()])
+        crate::ops::projection::takes_frozen(x, self.weight())
     }
 
     /// Whether x [.., in] takes statecut's differentiable projection: off the CPU, when a

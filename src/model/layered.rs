@@ -60,11 +60,7 @@ fn head(
     // way: candle's matmul backward would also make the [vocab, hidden] weight's gradient, a
     // product as large as the logits', and throw it away.
     let w = lm_head.weight();
-    let frozen = lm_head.bias().is_none()
-        && !h.device().is_cpu()
-        && w.is_contiguous()
-        && crate::ops::untracked(&[w])
-        && !crate::ops::untracked(&[&h]);
+    let frozen = lm_head.bias().is_none() && crate::ops::projection::takes_frozen(&h, w);
     Ok(if frozen { crate::ops::projection::frozen_linear(&h, w)? } else { candle_core::Module::forward(lm_head, &h)? })
 }
 

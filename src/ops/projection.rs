@@ -12,6 +12,12 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 
+/// Whether x · wᵀ takes [`frozen_linear`]: off the CPU, a gradient flowing through x and none
+/// into w, whose rows are contiguous.
+pub fn takes_frozen(x: &Tensor, w: &Tensor) -> bool {
+    !x.device().is_cpu() && w.is_contiguous() && !super::untracked(&[x]) && super::untracked(&[w])
+}
+
 /// x [.., in] · wᵀ for a weight [out, in] with contiguous rows that takes no gradient: one
 /// product forward, one (dx = dy · w) backward. The leading dimensions fold into rows inside the
 /// op, so the graph holds no reshapes either.
