@@ -94,7 +94,12 @@ fn from<T: CudaDType>(s: &CudaStorage, offset: usize) -> Result<CudaView<'_, T>>
 /// multiple of that, and every operand starting on a 16-byte boundary (candle's allocations do;
 /// a view's offset may not).
 fn vec16<T>(n: usize, offsets: &[usize]) -> bool {
-    let per = 16 / std::mem::size_of::<T>();
+    vec16_of(std::mem::size_of::<T>(), n, offsets)
+}
+
+/// [`vec16`] for elements of `size` bytes, where the dtype is known only at run time.
+fn vec16_of(size: usize, n: usize, offsets: &[usize]) -> bool {
+    let per = 16 / size.max(1);
     n.is_multiple_of(per) && offsets.iter().all(|o| o.is_multiple_of(per))
 }
 

@@ -1,7 +1,7 @@
 //! Launchers of the RMSNorms: the gated norm, its backward and the residual add with the next
 //! norm (`norm.cu`).
 
-use super::{function, vec16, view};
+use super::{function, vec16, vec16_of, view};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -104,26 +104,24 @@ pub fn rms_bwd(
     let wv = view::<f32>(w, "norm backward weight")?;
     let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let (ri, ni, gi) = (rows as i32, n as i32, gated as i32);
+    let size = x.0.dtype().size_in_bytes();
+    let mut offsets = vec![x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
+    offsets.extend(res.map(|r| r.1.start_offset()));
+    let vec = vec16_of(size, n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()]);
+    // A block's warps keep their partials in registers and add them into one row where every
+    // lane has a pack of a row and at most RMS_BWD_PACKS (PK > 0 in `rms_bwd_*`), else a row a
+    // warp (`rms_bwd_mem_*`: see norm.cu for why a kernel of its own).
+    let per = 16 / size.max(1);
+    let regs = vec && n >= 32 * per && n.div_ceil(32 * per) <= RMS_BWD_PACKS;
+    let count = if regs { blocks } else { blocks * 8 };
+    let vec = vec as i32;
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
             let xv = view::<$ty>(x, "norm backward")?;
             let gv = view::<$ty>(g, "norm backward gate")?;
             let dv = view::<$ty>(dy, "norm backward gradient")?;
             let rv = res.map(|r| view::<$ty>(r, "residual gradient")).transpose()?;
-            let mut offsets = vec![x.1.start_offset(), g.1.start_offset(), dy.1.start_offset()];
-            offsets.extend(res.map(|r| r.1.start_offset()));
-            let vec = vec16::<$ty>(n, &offsets) && vec16::<f32>(0, &[w.1.start_offset()]);
-            // A block's warps keep their partials in registers and add them into one row where
-            // every lane has a pack of a row and at most RMS_BWD_PACKS (PK > 0 in `rms_bwd_*`),
-            // else a row a warp (`rms_bwd_mem_*`: see norm.cu for why a kernel of its own).
-            let per = 16 / std::mem::size_of::<$ty>();
-            let regs = vec && n >= 32 * per && n.div_ceil(32 * per) <= RMS_BWD_PACKS;
-            let count = if regs { blocks } else { blocks * 8 };
-            let vec = vec as i32;
-            let func = match regs {
-                true => function(&dev, $name)?,
-                false => function(&dev, &$name.replacen("rms_bwd", "rms_bwd_mem", 1))?,
-            };
+            let func = function(&dev, $name)?;
             // SAFETY: the kernel writes every dx (every dg when gated) and every block's partial dw.
             let dxt = unsafe { dev.alloc::<$ty>(rows * n)? };
             let dgt = if gated { Some(unsafe { dev.alloc::<$ty>(rows * n)? }) } else { None };
@@ -145,7 +143,10 @@ pub fn rms_bwd(
             }
         }};
     }
-    Ok(per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch))
+    Ok(match regs {
+        true => per_dtype!(x.0.dtype(), "rms_bwd", "norm backward", launch),
+        false => per_dtype!(x.0.dtype(), "rms_bwd_mem", "norm backward", launch),
+    })
 }
 
 /// `add_rms` in norm.cu: a + b (contiguous, one dtype, rows × n) and its RMSNorm with the
