@@ -13,7 +13,9 @@
 # text). Stages, NEW and OLD taking turns where both run:
 #   parity   the CUDA parity tests of NEW
 #   mixer    the recurrence alone (chunk kernels, forward and forward + backward, bf16) at the
-#            pruned DeltaNet's, the pruned Gated DeltaNet's and dk 128 shapes, ROUNDS rounds
+#            pruned DeltaNet's, the pruned Gated DeltaNet's and dk 128 shapes, ROUNDS rounds;
+#            builds named in EXTRA (their recurrence binaries in NEW's or OLD's bundle) are
+#            timed in the same rounds
 #   ncu      per-kernel GPU time of the chunk kernels, OLD and NEW, from ncu
 #   ncuall   per-kernel GPU time of every kernel of NEW's recurrence bench
 #   rec      recovery of the 1.3B DeltaNet and Gated DeltaNet (scripts/gpu_bench.sh recover:NAME,
@@ -29,6 +31,9 @@
 #            128 x 2048 tokens), NEW then OLD: time and peak memory
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
 #            kernels, at the unpruned teachers' shapes (B = 16, T = 2048)
+#   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
+#            the pruned DeltaNet's shape: the details page as text, the per-instruction source
+#            page (SASS, stall samples) as xz'd CSV
 set -u
 NEW=${NEW:?NEW names the build under test}
 OLD=${OLD:-}
@@ -70,7 +75,7 @@ for l in sys.stdin: r=json.loads(l); print(r["build"], r["b"], r["h"], r["dk"], 
 }
 st_mixer() {
   for r in $(seq $ROUNDS); do
-    if ((r % 2)); then order="$OLD $NEW"; else order="$NEW $OLD"; fi
+    if ((r % 2)); then order="${EXTRA:-} $OLD $NEW"; else order="$NEW $OLD ${EXTRA:-}"; fi
     mixer_round
   done
 }
@@ -186,8 +191,21 @@ for l in sys.stdin: r=json.loads(l); print(r.get("form"), r["b"], r["h"], r["dk"
   done
 }
 
+st_detail() {
+  for k in chunk_walk_fwd_tc_k64 chunk_intra_fwd_tc chunk_out_fwd_tc chunk_walk_bwd_tc_k64 chunk_intra_bwd_tc chunk_out_bwd_tc; do
+    timeout 120 $NCU --clock-control none --set full --import-source no -k $k --launch-count 1 -f -o $W/$k \
+      /tmp/bins/$NEW/recurrence --shape 16,2048,16,64,128 --decay none --iterations 1 --forms chunked-kernels \
+      --grad seed > $1/$k.log 2>&1
+    echo "== $k rc $?"
+    $NCU -i $W/$k.ncu-rep --page details > $1/$k.details.txt 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Block Limit" $1/$k.details.txt | head -12
+    $NCU -i $W/$k.ncu-rep --page source --csv --print-source sass > $W/$k.source.csv 2> $1/$k.source.err
+    xz -6 -c $W/$k.source.csv > $1/$k.source.csv.xz
+  done
+}
+
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [nograd]=20)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [nograd]=20 [detail]=90)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

@@ -97,12 +97,20 @@ __device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) 
   (void)c;  // rows c.. of A are zero, so those of T are the identity's
   const int tid = threadIdx.x;
   if (tid < INTRA_C) {
+    // The thread's column stays in registers through its chain (its entries above the diagonal
+    // are zeros, which add nothing), where each step stored its entry to shared memory and the
+    // next steps loaded it back.
     const int o = (tid / INV_B) * INV_B, col = tid % INV_B;
+    float x[INV_B];
+#pragma unroll
     for (int i = 0; i < INV_B; ++i) {
-      float x = i == col ? 1.0f : 0.0f;
-      for (int j = col; j < i; ++j) x += A[(o + i) * ld + o + j] * T[(o + j) * ld + o + col];
-      T[(o + i) * ld + o + col] = x;
+      float v = i == col ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) v += A[(o + i) * ld + o + j] * x[j];
+      x[i] = v;
     }
+#pragma unroll
+    for (int i = 0; i < INV_B; ++i) T[(o + i) * ld + o + col] = x[i];
   }
   __syncthreads();
   for (int bi = 1; bi < INTRA_C / INV_B; ++bi) {

@@ -451,11 +451,16 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     P[t * TC_P + j] = in && j < t ? x * P[t * TC_P + j] : 0.0f;
   });
   __syncthreads();
-  if (tid < c) {
+  // dγ: F's row sums less its column sums, a quad of lanes a row (and column), each taking every
+  // fourth entry, joined by shuffles, where a thread a row kept six warps of eight waiting.
+  for (int i = tid; i < 4 * INTRA_C; i += blockDim.x) {
+    const int t = i / 4;
     float x = 0.0f;
-    for (int j = 0; j < tid; ++j) x += P[tid * TC_P + j];
-    for (int t = tid + 1; t < c; ++t) x -= P[t * TC_P + tid];
-    dg[tid] += x;
+    for (int j = i % 4; j < t; j += 4) x += P[t * TC_P + j];
+    for (int r = t + 1 + i % 4; r < c; r += 4) x -= P[r * TC_P + t];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if (i % 4 == 0 && t < c) dg[t] += x;
   }
   __syncthreads();
 
@@ -669,13 +674,13 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     __syncthreads();
   }
 
-  // Per entry below the diagonal: dG into M over G (read first), P = dA · A over dA in D; row
-  // sums of P and the G term of dβ by the row's thread.
-  if (tid < c) {
-    const int t = tid;
+  // Per entry below the diagonal: dG into M over G (read first), P = dA · A over dA in D; the
+  // row's sums of P and of the G term of dβ. A warp takes a row, its lanes the columns: with a
+  // thread a row, two warps of the eight worked while the rest waited at the barrier.
+  for (int t = warp; t < INTRA_C; t += warps) {
     float pb = 0.0f, pg = 0.0f;
-    for (int j = 0; j < INTRA_C; ++j) {
-      if (j < t) {
+    for (int j = lane; j < INTRA_C; j += 32) {
+      if (j < t && t < c) {
         const float e = __expf(gam[t] - gam[j]), da = D[t * TC_P + j], g = G[t * TC_P + j];
         const float p = da * (-bet[t] * e * g);
         pb -= da * e * g;
@@ -686,16 +691,24 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         M[t * TC_P + j] = 0.0f;
       }
     }
-    dbet[t] += pb;
-    dgam[t] += pg;
-  } else if (tid < INTRA_C) {
-    for (int j = 0; j < INTRA_C; ++j) M[tid * TC_P + j] = 0.0f;
+    pb = warp_sum(pb);
+    pg = warp_sum(pg);
+    if (lane == 0 && t < c) {
+      dbet[t] += pb;
+      dgam[t] += pg;
+    }
   }
   __syncthreads();
-  if (tid < c) {
+  // dγ less P's column sums below the diagonal: a quad of lanes a column, each summing every
+  // fourth row, joined by shuffles (4 · INTRA_C is a whole number of warps, so every lane of a
+  // warp takes part).
+  for (int i = tid; i < 4 * INTRA_C; i += blockDim.x) {
+    const int j = i / 4;
     float s = 0.0f;
-    for (int r = tid + 1; r < c; ++r) s += D[r * TC_P + tid];
-    dgam[tid] -= s;
+    for (int r = j + 1 + i % 4; r < c; r += 4) s += D[r * TC_P + j];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (i % 4 == 0 && j < c) dgam[j] -= s;
   }
   __syncthreads();
 
