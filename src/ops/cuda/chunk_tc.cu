@@ -508,10 +508,11 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         [&](int i, int b) {
           const int r0 = b0 + i * INTRA_TW;
           const float *X = P + (r0 - b0), *ka = tas(b), *qa = tbs(b);
-          for (int t = warp; t < c; t += blockDim.x / 32) {
-            const float s = warp_sum(X[t * TC_P + lane] * qa[t * TC_TP + lane]);
-            if (lane == 0) dg[t] += scale * s;
-          }
+          warp_row_sums(
+              warp, c, blockDim.x / 32, [&](int t) { return X[t * TC_P + lane] * qa[t * TC_TP + lane]; },
+              [&](int t, float s) {
+                if (lane == 0) dg[t] += scale * s;
+              });
           float y[2][4], z[2][4];
           tc_zero<2>(y);
           tc_zero<2>(z);
@@ -646,12 +647,16 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         __syncthreads();  // X takes the first tile's place
         tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
         __syncthreads();
-        for (int j = warp; j < c; j += warps) {
-          const float dx = X[j * TC_TP + lane];
-          if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
-          const float s = warp_sum(dx * tbs(b)[j * TC_TP + lane]);
-          if (lane == 0) dbet[j] += s;
-        }
+        warp_row_sums(
+            warp, c, warps,
+            [&](int j) {
+              const float dx = X[j * TC_TP + lane];
+              if (col0 + lane < dv) dv_out[(long long)j * dv + col0 + lane] = bet[j] * dx;
+              return dx * tbs(b)[j * TC_TP + lane];
+            },
+            [&](int j, float s) {
+              if (lane == 0) dbet[j] += s;
+            });
       });
   tc_lower_products(gkc, dk, kb, dk, dk, c, ta, tb, ay, D, D + TL);
   // ax and ay hold the same elements in the same threads.
@@ -738,13 +743,14 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             tc_store2(dk_out + (long long)j * dk + col0, r, dk - col0, ys[j] * xr[0] + x, ys[j] * xr[1] + y);
         });
         __syncthreads();
-        for (int j = warp; j < c; j += warps) {
-          const float s = warp_sum(X[j * TC_TP + lane] * kt[j * TC_TP + lane]);
-          if (lane == 0) {
-            dbet[j] += __expf(gam[j]) * s;
-            dgam[j] += ys[j] * s;
-          }
-        }
+        warp_row_sums(
+            warp, c, warps, [&](int j) { return X[j * TC_TP + lane] * kt[j * TC_TP + lane]; },
+            [&](int j, float s) {
+              if (lane == 0) {
+                dbet[j] += __expf(gam[j]) * s;
+                dgam[j] += ys[j] * s;
+              }
+            });
       });
   for (int i = tid; i < c; i += blockDim.x) {
     db_out[i] = dbet[i];
@@ -942,12 +948,14 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     tc_each_with<2>(acc, gv, cm, WALK_TV,
                     [&](int t, int j, float x, float gtj) { dU[t * TC_SW + j] = gtj + es[t] * x; });
     tc_walk_out(G, dk, gend + blk * dk * dv, dv, col0);
-    // da: S_i ∘ G_{i+1} summed over the tile's columns, a row per warp at a time
-    for (int r = warp; r < dk; r += warps) {
-      const float x = col0 + lane < dv ? si[(long long)r * dv + col0 + lane] * G[r * TC_SW + lane] : 0.0f;
-      const float sum = warp_sum(x);
-      if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
-    }
+    // da: S_i ∘ G_{i+1} summed over the tile's columns, a row per warp (S_i's loads from global
+    // memory were a quarter of the kernel's stall samples when each waited for the one before)
+    warp_row_sums(
+        warp, dk, warps,
+        [&](int r) { return col0 + lane < dv ? si[(long long)r * dv + col0 + lane] * G[r * TC_SW + lane] : 0.0f; },
+        [&](int r, float sum) {
+          if (lane == 0) da_part[(part0 + blk) * dk + r] = sum;
+        });
     // G's update: diag(a) G + gS_i, less Kcᵀ dU below
     float keep[SS][4];
     tc_fill<SS>(keep, dk, WALK_TV, [&](int r, int j) {

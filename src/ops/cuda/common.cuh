@@ -29,6 +29,26 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// For rows r = first, first + step, ... below n: f(r) summed over the warp's 32 lanes (in
+// warp_sum's order), handed to done(r, sum) in every lane. Four rows go at a time, their values
+// loaded first and their shuffle chains interleaved, where a row at a time waited out each load
+// (from global memory, for some callers) and each chain in turn. first, n and step are the same
+// across the warp, as the shuffles need every lane.
+template <typename F, typename D> __device__ __forceinline__ void warp_row_sums(int first, int n, int step, F f, D done) {
+  for (int r0 = first; r0 < n; r0 += 4 * step) {
+    float x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x[u] = r0 + u * step < n ? f(r0 + u * step) : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] += __shfl_xor_sync(0xffffffffu, x[u], off);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (r0 + u * step < n) done(r0 + u * step, x[u]);
+  }
+}
+
 // Sixteen bytes of T, loaded or stored as one access (the caller checks the alignment).
 template <typename T> struct __align__(16) Pack16 {
   T v[16 / sizeof(T)];
