@@ -193,12 +193,14 @@ for l in sys.stdin: r=json.loads(l); print(r.get("form"), r["b"], r["h"], r["dk"
 
 st_detail() {
   for k in chunk_walk_fwd_tc_k64 chunk_intra_fwd_tc chunk_out_fwd_tc chunk_walk_bwd_tc_k64 chunk_intra_bwd_tc chunk_out_bwd_tc; do
-    timeout 120 $NCU --clock-control none --set full --import-source no -k $k --launch-count 1 -f -o $W/$k \
+    timeout 120 $NCU --clock-control none --set full --import-source yes -k $k --launch-count 1 -f -o $W/$k \
       /tmp/bins/$NEW/recurrence --shape 16,2048,16,64,128 --decay none --iterations 1 --forms chunked-kernels \
       --grad seed > $1/$k.log 2>&1
     echo "== $k rc $?"
     $NCU -i $W/$k.ncu-rep --page details > $1/$k.details.txt 2>&1
     grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Block Limit" $1/$k.details.txt | head -12
+    # SASS with its samples; a build with line tables (STATECUT_CUDA_LINEINFO=1, build.rs) also
+    # lets the report, whose source is imported, name each instruction's .cu line
     $NCU -i $W/$k.ncu-rep --page source --csv --print-source sass > $W/$k.source.csv 2> $1/$k.source.err
     xz -6 -c $W/$k.source.csv > $1/$k.source.csv.xz
   done
