@@ -458,8 +458,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     float x = 0.0f;
     for (int j = i % 4; j < t; j += 4) x += P[t * TC_P + j];
     for (int r = t + 1 + i % 4; r < c; r += 4) x -= P[r * TC_P + t];
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    x = quad_sum(x);
     if (i % 4 == 0 && t < c) dg[t] += x;
   }
   __syncthreads();
@@ -711,8 +710,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     const int j = i / 4;
     float s = 0.0f;
     for (int r = j + 1 + i % 4; r < c; r += 4) s += D[r * TC_P + j];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    s = quad_sum(s);
     if (i % 4 == 0 && j < c) dgam[j] -= s;
   }
   __syncthreads();
@@ -935,11 +933,8 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     for (int s = 0; s < 2; ++s) {
       int m0, n0;
       if (!tc_tile(cm, WALK_TV, s, m0, n0)) continue;
-      float lo = uv[s][0] * acc[s][0] + uv[s][1] * acc[s][1], hi = uv[s][2] * acc[s][2] + uv[s][3] * acc[s][3];
-      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-      lo += __shfl_xor_sync(0xffffffffu, lo, 2);
-      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-      hi += __shfl_xor_sync(0xffffffffu, hi, 2);
+      const float lo = quad_sum(uv[s][0] * acc[s][0] + uv[s][1] * acc[s][1]);
+      const float hi = quad_sum(uv[s][2] * acc[s][2] + uv[s][3] * acc[s][3]);
       if (lane % 4 == 0) {
         red[(m0 + lane / 4) * 4 + n0 / 8] = lo;
         red[(m0 + lane / 4 + 8) * 4 + n0 / 8] = hi;

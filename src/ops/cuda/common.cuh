@@ -29,6 +29,12 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// The sum of x over a quad of lanes (lane / 4 alike), every lane of the quad getting it.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // For rows r = first, first + step, ... below n: f(r) summed over the warp's 32 lanes (in
 // warp_sum's order), handed to done(r, sum) in every lane. Four rows go at a time, their values
 // loaded first and their shuffle chains interleaved, where a row at a time waited out each load
