@@ -262,16 +262,20 @@ pub fn chunk_walk_back(
 
 /// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
 /// four backward), one or two column tiles, and its per-token scalars (three, five). On tensor
-/// cores the strides are 68 and 36, with two tiles each way and three backward matrices, the
-/// backward's third in room for two more tiles.
+/// cores the strides are 68 and 36 or 40 (`TC_TB`, for tiles read by rows as B), with two tiles
+/// each way and three backward matrices, the backward's third in room for two more tiles.
 fn intra_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
     match (backward, tensor) {
-        (true, true) => 4 * (2 * sq + (2 * tile).max(sq) + 2 * tile + 5 * 64),
+        (true, true) => 4 * (2 * sq + (tile + TC_B_TILE).max(sq) + tile + TC_B_TILE + 5 * 64),
         (true, false) => 4 * (4 * sq + 2 * tile + 5 * 64),
-        (false, _) => 4 * (2 * sq + (1 + usize::from(tensor)) * tile + 3 * 64),
+        (false, true) => 4 * (2 * sq + 2 * TC_B_TILE + 3 * 64),
+        (false, false) => 4 * (2 * sq + tile + 3 * 64),
     }
 }
+
+/// A [64, `TC_TB`] tile of the tensor-core kernels, for tiles a loop reads only by rows as B.
+const TC_B_TILE: usize = 64 * 40;
 
 /// Whether a chunk kernel runs in its `_tc` form: 16-bit inputs (the dims' `tensor`) on a GPU
 /// with tensor cores.
@@ -359,13 +363,17 @@ pub fn chunk_intra_back(
 }
 
 /// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
-/// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36, with a
-/// second forward scalar and a second pair of tiles.
+/// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36 or 40
+/// (`TC_TB`), with a second forward scalar and a second pair of tiles: the forward's B tiles and
+/// all the backward's at 40.
 fn out_smem(backward: bool, tensor: bool) -> usize {
     let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
-    let t = usize::from(tensor);
-    let tiles = (2 + 2 * t) * tile;
-    4 * if backward { 2 * sq + tiles + 3 * 64 } else { sq + tiles + (1 + t) * 64 }
+    4 * match (backward, tensor) {
+        (true, true) => 2 * sq + 4 * TC_B_TILE + 3 * 64,
+        (false, true) => sq + 2 * tile + 2 * TC_B_TILE + 2 * 64,
+        (true, false) => 2 * sq + 2 * tile + 3 * 64,
+        (false, false) => sq + 2 * tile + 64,
+    }
 }
 
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).

@@ -14,8 +14,12 @@
 // where the product has four a warp, else tiles warp + 8 s), accumulated in registers across
 // calls (one call per staged slice of K). Operands are strided views of shared memory, so a
 // transpose is a choice of strides. Staged tiles use row stride TC_TP (≡ 4 mod 32, so a warp's
-// row-major fragment reads hit 32 distinct banks) and the [c, c] matrices TC_P.
+// row-major fragment reads hit 32 distinct banks) and the [c, c] matrices TC_P. A tile that a
+// loop reads only as B operands by rows (or A by columns) is staged at TC_TB (≡ 8 mod 32), where
+// those reads (rows t and t + 4 of a fragment four lanes apart) hit 32 distinct banks; at TC_TP
+// they hit each bank twice.
 #define TC_TP 36
+#define TC_TB 40
 #define TC_P 68
 #define TC_WARPS 8
 
@@ -231,11 +235,11 @@ __device__ __forceinline__ void tc_stage(const float *src, int ld, int width, in
 // tc_async, to be waited for (__pipeline_wait_prior) and, if scaled, landed (tc_land) before the
 // barrier that publishes the tile; otherwise tc_stage itself, done on return.
 __device__ __forceinline__ void tc_stage_async(const float *src, int ld, int width, int col0, int valid, int rows,
-                                               float *tile, const float *scale = nullptr) {
-  if (!tc_async(src, ld, width, col0)) return chunk_stage(src, ld, width, col0, valid, rows, scale, tile, TC_TP);
+                                               float *tile, const float *scale = nullptr, int tp = TC_TP) {
+  if (!tc_async(src, ld, width, col0)) return chunk_stage(src, ld, width, col0, valid, rows, scale, tile, tp);
   for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
     const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
-    float *dst = tile + t * TC_TP + r;
+    float *dst = tile + t * tp + r;
     if (t < valid && col0 + r < width)
       __pipeline_memcpy_async(dst, src + (long long)t * ld + col0 + r, 16);
     else
@@ -246,12 +250,12 @@ __device__ __forceinline__ void tc_stage_async(const float *src, int ld, int wid
 // A scaled tc_stage_async's rows times their scale, once its copies have landed: each thread
 // scales the elements it copied, so no barrier comes between.
 __device__ __forceinline__ void tc_land(const float *src, int ld, int width, int col0, int valid, int rows,
-                                        float *tile, const float *scale) {
+                                        float *tile, const float *scale, int tp = TC_TP) {
   if (!scale || !tc_async(src, ld, width, col0)) return;
   for (int e = threadIdx.x; e < rows * (INTRA_TW / 4); e += blockDim.x) {
     const int t = e / (INTRA_TW / 4), r = e % (INTRA_TW / 4) * 4;
     if (t < valid && col0 + r < width) {
-      float4 *x = reinterpret_cast<float4 *>(tile + t * TC_TP + r);
+      float4 *x = reinterpret_cast<float4 *>(tile + t * tp + r);
       const float f = scale[t];
       *x = make_float4(x->x * f, x->y * f, x->z * f, x->w * f);
     }
@@ -294,6 +298,28 @@ __device__ __forceinline__ TcView tc_rows(const float *p) { return TcView{p, TC_
 __device__ __forceinline__ TcView tc_cols(const float *p) { return TcView{p, 1, TC_TP}; }
 __device__ __forceinline__ TcView tc_sq(const float *p) { return TcView{p, TC_P, 1}; }
 __device__ __forceinline__ TcView tc_sq_t(const float *p) { return TcView{p, 1, TC_P}; }
+// Row-major [rows, TC_TB] views, and their transposes.
+__device__ __forceinline__ TcView tc_rows_b(const float *p) { return TcView{p, TC_TB, 1}; }
+__device__ __forceinline__ TcView tc_cols_b(const float *p) { return TcView{p, 1, TC_TB}; }
+
+// A [64, TC_P] matrix transposed in place, between barriers, for a kernel whose products read it
+// transposed as their A operand: those fragment reads then go row by row, one bank a lane, where
+// a transposed view's (stride ≡ 4 mod 32) hit each bank twice. A warp swaps 8 x 4 blocks, its
+// lanes down a block's rows first, so that both sides of a swap fall on distinct banks but for
+// pairs.
+__device__ __forceinline__ void tc_transpose_sq(float *x) {
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  for (int b = threadIdx.x / 32; b < (INTRA_C / 8) * (INTRA_C / 4); b += blockDim.x / 32) {
+    const int r = b / (INTRA_C / 4) * 8 + lane % 8, col = b % (INTRA_C / 4) * 4 + lane / 8;
+    if (col > r) {
+      const float y = x[r * TC_P + col];
+      x[r * TC_P + col] = x[col * TC_P + r];
+      x[col * TC_P + r] = y;
+    }
+  }
+  __syncthreads();
+}
 
 // acc (64 x 64, S = 4) += A Bᵀ below and on the diagonal for A, B [c, width] (row strides lda,
 // ldb), staged 32 columns at a time through the pairs ta, tb and ta1, tb1 in turn, the stages
@@ -326,18 +352,19 @@ __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const
   });
 }
 
-// chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two pairs of tiles [64, TC_TP],
-// γ and scale·e^γ. Every tile goes through one tc_pipeline: for each column tile of the output,
-// a step per key tile (Q̂ = diag(scale e^γ) Q's columns and S's rows there), then one for U's
-// columns, whose step multiplies by P and stores the tile. Four blocks a multiprocessor: with
+// chunk_out_fwd_f32 on tensor cores; shared memory P [64, TC_P], two pairs of tiles (Q̂'s [64,
+// TC_TP] and S's or U's [64, TC_TB], read by rows as B), γ and scale·e^γ. Every tile goes through
+// one tc_pipeline: for each column tile of the output, a step per key tile (Q̂ = diag(scale e^γ)
+// Q's columns and S's rows there), then one for U's columns, whose step multiplies by P and
+// stores the tile. Four blocks a multiprocessor: with
 // one pair of tiles and synchronous stages it held six, and its warps waited on every stage.
 extern "C" __global__ void __launch_bounds__(256, 4)
     chunk_out_fwd_tc(const float *qk, const float *walked, const float *gamma, float *out, long long blocks, int c,
                      int dk, int dv, float scale) {
   extern __shared__ float osm[];
-  const int TL = INTRA_C * TC_TP;
-  float *P = osm, *ta = P + INTRA_C * TC_P, *tb = ta + TL, *ta1 = tb + TL, *tb1 = ta1 + TL;
-  float *gam = tb1 + TL, *qs = gam + INTRA_C;
+  const int TL = INTRA_C * TC_TP, TB = INTRA_C * TC_TB;
+  float *P = osm, *ta = P + INTRA_C * TC_P, *ta1 = ta + TL, *tb = ta1 + TL, *tb1 = tb + TB;
+  float *gam = tb1 + TB, *qs = gam + INTRA_C;
   const auto tas = [&](int b) { return b ? ta1 : ta; };
   const auto tbs = [&](int b) { return b ? tb1 : tb; };
   const long long blk = blockIdx.x;
@@ -362,9 +389,9 @@ extern "C" __global__ void __launch_bounds__(256, 4)
         const int r0 = key0(i);
         if (r0 < dk) {
           tc_stage_async(q, 2 * dk, dk, r0, c, INTRA_C, tas(b), qs);
-          tc_stage_async(S + (long long)r0 * dv, dv, dv, col0(i), dk - r0, INTRA_TW, tbs(b));
+          tc_stage_async(S + (long long)r0 * dv, dv, dv, col0(i), dk - r0, INTRA_TW, tbs(b), nullptr, TC_TB);
         } else {
-          tc_stage_async(u, dv, dv, col0(i), c, INTRA_C, tbs(b));
+          tc_stage_async(u, dv, dv, col0(i), c, INTRA_C, tbs(b), nullptr, TC_TB);
         }
       },
       [&](int i, int b) {
@@ -373,10 +400,10 @@ extern "C" __global__ void __launch_bounds__(256, 4)
       [&](int i, int b) {
         if (key0(i) < dk) {
           // diag(scale e^γ) Q S over key tiles
-          tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(tas(b)), tc_rows(tbs(b)), false);
+          tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_TW, tc_rows(tas(b)), tc_rows_b(tbs(b)), false);
           return;
         }
-        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tbs(b)), false);
+        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows_b(tbs(b)), false);
         const int c0 = col0(i);
         tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
           if (t < c) tc_store2(o + (long long)t * dv, c0 + j, dv, x, y);
@@ -386,7 +413,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 }
 
 // chunk_out_bwd_f32 on tensor cores; shared memory P and E ∘ D [64, TC_P], two pairs of tiles
-// [64, TC_TP] (the loops that stage unscaled tiles alternate between them: tc_pipeline), γ,
+// [64, TC_TB] (the loops that stage unscaled tiles alternate between them: tc_pipeline; at row
+// stride TC_TB in the loops that read them only by rows as B, else TC_TP), γ,
 // scale·e^γ and dγ. Until E ∘ D is made, its space holds Q̂ = diag(scale e^γ) Q's first 64 key
 // columns, so that dS's first 64 rows come from each tile of dO as it is staged for E and dU
 // (the rows past 64 stage their own tiles of Q̂ and dO).
@@ -394,9 +422,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_out_bwd_tc(const float *qk, const float *walked, const float *gamma, const float *grad, float *dqk_out,
                      float *out, long long blocks, long long walked_len, int c, int dk, int dv, float scale) {
   extern __shared__ float osm[];
-  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TL, *ta1 = tb + TL, *tb1 = ta1 + TL;
-  float *gam = tb1 + TL, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
+  const int SQ = INTRA_C * TC_P, TB = INTRA_C * TC_TB;
+  float *P = osm, *ED = P + SQ, *ta = ED + SQ, *tb = ta + TB, *ta1 = tb + TB, *tb1 = ta1 + TB;
+  float *gam = tb1 + TB, *qs = gam + INTRA_C, *dg = qs + INTRA_C;
   const auto tas = [&](int b) { return b ? ta1 : ta; };
   const auto tbs = [&](int b) { return b ? tb1 : tb; };
   const long long blk = blockIdx.x;
@@ -412,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   }
   __syncthreads();
   tc_out_scores(q, c, dk, scale, gam, ta, tb, P, ta1, tb1);
-  __syncthreads();
+  tc_transpose_sq(P);  // P holds Pᵀ from here, and F (below) Fᵀ
 
   // E = dO Uᵀ, and on the way dU = Pᵀ dO and dS = Q̂ᵀ dO for the first 64 keys (Q̂ in ED, staged
   // while the first tiles of dO and U are in flight).
@@ -433,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         tc_acc<4>(e, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(b)), tc_cols(tbs(b)), true);
         float x[2][4];
         tc_zero<2>(x);
-        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(P), tc_rows(tas(b)), false);
+        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tas(b)), false);
         tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
           if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
         });
@@ -443,12 +471,12 @@ extern "C" __global__ void __launch_bounds__(256, 3)
           if (r < dk) tc_store2(ds + (long long)r * dv, col0 + col, dv, v, w);
         });
       });
-  // ED = E ∘ D; F = E ∘ P over P (strictly below the diagonal: the diagonal's terms cancel).
-  // Each element is read and written by the thread that holds it.
+  // ED = E ∘ D; F = E ∘ P over P, both transposed there (strictly below the diagonal: the
+  // diagonal's terms cancel). Each element is read and written by the thread that holds it.
   tc_each<4>(e, INTRA_C, INTRA_C, [&](int t, int j, float x) {
     const bool in = j <= t && t < c;
     ED[t * TC_P + j] = in ? x * __expf(gam[t] - gam[j]) : 0.0f;
-    P[t * TC_P + j] = in && j < t ? x * P[t * TC_P + j] : 0.0f;
+    P[j * TC_P + t] = in && j < t ? x * P[j * TC_P + t] : 0.0f;
   });
   __syncthreads();
   // dγ: F's row sums less its column sums, a quad of lanes a row (and column), each taking every
@@ -456,8 +484,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   for (int i = tid; i < 4 * INTRA_C; i += blockDim.x) {
     const int t = i / 4;
     float x = 0.0f;
-    for (int j = i % 4; j < t; j += 4) x += P[t * TC_P + j];
-    for (int r = t + 1 + i % 4; r < c; r += 4) x -= P[r * TC_P + t];
+    for (int j = i % 4; j < t; j += 4) x += P[j * TC_P + t];
+    for (int r = t + 1 + i % 4; r < c; r += 4) x -= P[t * TC_P + r];
     x = quad_sum(x);
     if (i % 4 == 0 && t < c) dg[t] += x;
   }
@@ -470,15 +498,15 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   tc_pipeline(
       max(0, (dk - 2 * INTRA_TW + INTRA_TW - 1) / INTRA_TW) * ncol,
       [&](int i, int b) {
-        tc_stage_async(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs);
-        tc_stage_async(go, dv, dv, col0(i), c, INTRA_C, tbs(b));
+        tc_stage_async(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs, TC_TB);
+        tc_stage_async(go, dv, dv, col0(i), c, INTRA_C, tbs(b), nullptr, TC_TB);
       },
-      [&](int i, int b) { tc_land(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs); },
+      [&](int i, int b) { tc_land(q, 2 * dk, dk, key0(i), c, INTRA_C, tas(b), qs, TC_TB); },
       [&](int i, int b) {
         const int r0 = key0(i), c0 = col0(i);
         float x[1][4];
         tc_zero<1>(x);
-        tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols(tas(b)), tc_rows(tbs(b)), false);
+        tc_acc<1>(x, INTRA_TW, INTRA_TW, INTRA_C, tc_cols_b(tas(b)), tc_rows_b(tbs(b)), false);
         tc_each_pair<1>(x, INTRA_TW, INTRA_TW, [&](int r, int col, float v, float w) {
           if (r0 + r < dk) tc_store2(ds + (long long)(r0 + r) * dv, c0 + col, dv, v, w);
         });
@@ -501,22 +529,22 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     tc_pipeline(
         (min(dk, b0 + INTRA_C) - b0 + INTRA_TW - 1) / INTRA_TW,
         [&](int i, int b) {
-          tc_stage_async(q + dk, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tas(b));
-          tc_stage_async(q, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tbs(b));
+          tc_stage_async(q + dk, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tas(b), nullptr, TC_TB);
+          tc_stage_async(q, 2 * dk, dk, b0 + i * INTRA_TW, c, INTRA_C, tbs(b), nullptr, TC_TB);
         },
         [&](int i, int b) {
           const int r0 = b0 + i * INTRA_TW;
           const float *X = P + (r0 - b0), *ka = tas(b), *qa = tbs(b);
           warp_row_sums(
-              warp, c, blockDim.x / 32, [&](int t) { return X[t * TC_P + lane] * qa[t * TC_TP + lane]; },
+              warp, c, blockDim.x / 32, [&](int t) { return X[t * TC_P + lane] * qa[t * TC_TB + lane]; },
               [&](int t, float s) {
                 if (lane == 0) dg[t] += scale * s;
               });
           float y[2][4], z[2][4];
           tc_zero<2>(y);
           tc_zero<2>(z);
-          tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows(ka), false);
-          tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(qa), false);
+          tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows_b(ka), false);
+          tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows_b(qa), false);
           tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
             const float *xr = X + t * TC_P + r;
             if (t < c)
@@ -537,13 +565,13 @@ __device__ void tc_intra_apply(const float *T, const float *src, int width, int 
   const auto tiles = [&](int b) { return b ? tile1 : tile; };
   tc_pipeline(
       (width + INTRA_TW - 1) / INTRA_TW,
-      [&](int i, int b) { tc_stage_async(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale); },
-      [&](int i, int b) { tc_land(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale); },
+      [&](int i, int b) { tc_stage_async(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale, TC_TB); },
+      [&](int i, int b) { tc_land(src, width, width, i * INTRA_TW, c, INTRA_C, tiles(b), scale, TC_TB); },
       [&](int i, int b) {
         const int col0 = i * INTRA_TW;
         float acc[2][4];
         tc_zero<2>(acc);
-        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(tiles(b)), false);
+        tc_acc<2>(acc, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows_b(tiles(b)), false);
         tc_each_pair<2>(acc, INTRA_C, INTRA_TW, [&](int t, int j, float x, float y) {
           if (t < c) tc_store2(out + (long long)t * width, col0 + j, width, x, y);
         });
@@ -564,15 +592,16 @@ __device__ void tc_intra_system(const float *k, int c, int dk, const float *bet,
   });
 }
 
-// chunk_intra_fwd_f32 on tensor cores; shared memory A and T [64, TC_P], two tiles [64, TC_TP],
-// β, γ, β e^γ.
+// chunk_intra_fwd_f32 on tensor cores; shared memory A and T [64, TC_P], two tiles [64, TC_TB]
+// (at row stride TC_TP for the Gram products, TC_TB for T's, which read them by rows as B), β, γ,
+// β e^γ.
 extern "C" __global__ void __launch_bounds__(256)
     chunk_intra_fwd_tc(const float *k, const float *v, const float *scal, float *w_out, float *kc_out,
                        long long blocks, int c, int dk, int dv) {
   extern __shared__ float ism[];
-  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *A = ism, *T = A + SQ, *ta = T + SQ, *tb = ta + TL;
-  float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C;
+  const int SQ = INTRA_C * TC_P, TB = INTRA_C * TC_TB;
+  float *A = ism, *T = A + SQ, *ta = T + SQ, *tb = ta + TB;
+  float *bet = tb + TB, *gam = bet + INTRA_C, *ys = gam + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
   for (int i = threadIdx.x; i < INTRA_C; i += blockDim.x) {
@@ -590,8 +619,9 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // chunk_intra_bwd_f32 on tensor cores; shared memory T, M, D [64, TC_P] (D with room for two
-// tiles after it), two tiles [64, TC_TP] and five per-token scalars: 71 KB, so that three blocks
-// fit a multiprocessor (four [64, TC_P] matrices and three tiles took 96 KB, two blocks). A is
+// tiles after it), two tiles and five per-token scalars: 75 KB, so that three blocks fit a
+// multiprocessor (four [64, TC_P] matrices and three tiles took 96 KB, two blocks). The second
+// tile of each pair is [64, TC_TB], for the loop over dK that reads K's tiles only by rows as B. A is
 // made in D and inverted from there; the Gram matrix G lives in M until its entries become dG
 // there, each in the thread that reads it; the two [64, 64] products between go through
 // registers. While D holds nothing (before A, between A's inverse and dT, after dA's sums), the
@@ -602,11 +632,11 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     chunk_intra_bwd_tc(const float *k, const float *v, const float *scal, const float *grad_w,
                        const float *grad_kc, float *out, long long blocks, int c, int dk, int dv, float kc_sign) {
   extern __shared__ float ism[];
-  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP;
-  float *T = ism, *M = T + SQ, *G = M, *D = M + SQ, *ta = D + 2 * TL, *tb = ta + TL;
+  const int SQ = INTRA_C * TC_P, TL = INTRA_C * TC_TP, TB = INTRA_C * TC_TB;
+  float *T = ism, *M = T + SQ, *G = M, *D = M + SQ, *ta = D + TL + TB, *tb = ta + TL;
   const auto tas = [&](int b) { return b ? D : ta; };
   const auto tbs = [&](int b) { return b ? D + TL : tb; };
-  float *bet = tb + TL, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
+  float *bet = tb + TB, *gam = bet + INTRA_C, *ys = gam + INTRA_C, *dbet = ys + INTRA_C, *dgam = dbet + INTRA_C;
   const long long blk = blockIdx.x;
   const float *kb = k + blk * c * dk, *vb = v + blk * c * dv;
   const float *gw = grad_w + blk * c * dv, *gkc = grad_kc + blk * c * dk;
@@ -624,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   tc_intra_system(kb, c, dk, bet, gam, ta, D, D, G);
   __syncthreads();
   intra_invert(D, c, T, TC_P);
-  __syncthreads();
+  tc_transpose_sq(T);  // T holds Tᵀ from here
 
   // dT = dW (βV)ᵀ + dKc (β e^γ K)ᵀ, with dX = Tᵀ dW (→ dV, and v·dX into dβ) on the way.
   float ax[4][4], ay[4][4];
@@ -642,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         tc_acc<4>(ax, INTRA_C, INTRA_C, INTRA_TW, tc_rows(X), tc_cols(tbs(b)), true);
         float x[2][4];
         tc_zero<2>(x);
-        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(X), false);
+        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(X), false);
         __syncthreads();  // X takes the first tile's place
         tc_each<2>(x, INTRA_C, INTRA_TW, [&](int j, int r, float y) { X[j * TC_TP + r] = y; });
         __syncthreads();
@@ -670,9 +700,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     float m[4][4];
     tc_zero<4>(m);
     if (pass == 0)
-      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq_t(T), tc_sq(D), false);
+      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(T), tc_sq(D), false);
     else
-      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(D), tc_sq_t(T), false);
+      tc_acc<4>(m, INTRA_C, INTRA_C, INTRA_C, tc_sq(D), tc_sq(T), false);
     __syncthreads();
     tc_each<4>(m, INTRA_C, INTRA_C, [&](int t, int j, float x) { D[t * TC_P + j] = x; });
     __syncthreads();
@@ -720,7 +750,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       (dk + INTRA_TW - 1) / INTRA_TW,
       [&](int i, int b) {
         tc_stage_async(gkc, dk, dk, i * INTRA_TW, c, INTRA_C, tas(b));
-        tc_stage_async(kb, dk, dk, i * INTRA_TW, c, INTRA_C, tbs(b));
+        tc_stage_async(kb, dk, dk, i * INTRA_TW, c, INTRA_C, tbs(b), nullptr, TC_TB);
       },
       [&](int i, int b) {
         const int col0 = i * INTRA_TW;
@@ -729,9 +759,9 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         float y[2][4], z[2][4];
         tc_zero<2>(y);
         tc_zero<2>(z);
-        tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(T), tc_rows(X), false);
-        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows(kt), false);
-        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows(kt), false);
+        tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(X), false);
+        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows_b(kt), false);
+        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows_b(kt), false);
         __syncthreads();  // X takes the first tile's place
         // y and z hold the same elements in the same threads.
         tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
@@ -742,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         });
         __syncthreads();
         warp_row_sums(
-            warp, c, warps, [&](int j) { return X[j * TC_TP + lane] * kt[j * TC_TP + lane]; },
+            warp, c, warps, [&](int j) { return X[j * TC_TP + lane] * kt[j * TC_TB + lane]; },
             [&](int j, float s) {
               if (lane == 0) {
                 dbet[j] += __expf(gam[j]) * s;
