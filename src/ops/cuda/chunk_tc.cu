@@ -15,9 +15,9 @@
 // calls (one call per staged slice of K). Operands are strided views of shared memory, so a
 // transpose is a choice of strides. Staged tiles use row stride TC_TP (≡ 4 mod 32, so a warp's
 // row-major fragment reads hit 32 distinct banks) and the [c, c] matrices TC_P. A tile that a
-// loop reads only as B operands by rows (or A by columns) is staged at TC_TB (≡ 8 mod 32), where
-// those reads (rows t and t + 4 of a fragment four lanes apart) hit 32 distinct banks; at TC_TP
-// they hit each bank twice.
+// loop reads only as B operands by rows (or A by columns) is staged at TC_TB (≡ 8 mod 32): lane
+// (g, t) of such a read takes row t, column g, so at stride TC_TB the lanes fall on banks 8t + g,
+// all distinct, where TC_TP's 4t + g puts two lanes on each bank.
 #define TC_TP 36
 #define TC_TB 40
 #define TC_P 68
@@ -305,8 +305,8 @@ __device__ __forceinline__ TcView tc_cols_b(const float *p) { return TcView{p, 1
 // A [64, TC_P] matrix transposed in place, between barriers, for a kernel whose products read it
 // transposed as their A operand: those fragment reads then go row by row, one bank a lane, where
 // a transposed view's (stride ≡ 4 mod 32) hit each bank twice. A warp swaps 8 x 4 blocks, its
-// lanes down a block's rows first, so that both sides of a swap fall on distinct banks but for
-// pairs.
+// lanes down a block's rows first, so that its loads and stores of either side of the swaps hit
+// each bank at most twice.
 __device__ __forceinline__ void tc_transpose_sq(float *x) {
   __syncthreads();
   const int lane = threadIdx.x % 32;
@@ -356,8 +356,8 @@ __device__ void tc_out_scores(const float *qk, int c, int dk, float scale, const
 // TC_TP] and S's or U's [64, TC_TB], read by rows as B), γ and scale·e^γ. Every tile goes through
 // one tc_pipeline: for each column tile of the output, a step per key tile (Q̂ = diag(scale e^γ)
 // Q's columns and S's rows there), then one for U's columns, whose step multiplies by P and
-// stores the tile. Four blocks a multiprocessor: with
-// one pair of tiles and synchronous stages it held six, and its warps waited on every stage.
+// stores the tile. Four blocks a multiprocessor: with one pair of tiles and synchronous stages it
+// held six, and its warps waited on every stage.
 extern "C" __global__ void __launch_bounds__(256, 4)
     chunk_out_fwd_tc(const float *qk, const float *walked, const float *gamma, float *out, long long blocks, int c,
                      int dk, int dv, float scale) {
