@@ -166,11 +166,12 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
 }
 
 /// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
-/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of them at a padded stride, and
-/// their 64 scales, and the backward's [64, 4] row sums).
+/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of Kc and of K, each at its own
+/// padded stride, dk + 4 and dk + 8, then their 64 scales; the backward's [64, 4] row sums sit in
+/// dU's padding).
 fn walk_smem(d: &WalkDims) -> usize {
     if walk_tensor(d) {
-        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (d.kk_width() + 4) + 64 + 64 * 4) * 4;
+        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (2 * d.dk + 12) + 64) * 4;
     }
     (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
 }

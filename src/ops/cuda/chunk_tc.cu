@@ -788,11 +788,15 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 
 // The chunk walk on tensor cores. Grid and block as chunk_walk_*_f32's; the state (G) and U (dU)
 // tiles [rows, 32] at row stride TC_SW (≡ 8 mod 32: their fragment reads by row hit distinct
-// banks), a chunk's raw keys KK [64, kks] with Kc | K at columns 0 | koff and rows past c zero,
-// and its key scales e [64]. Kend = diag(e) K is never formed: e scales U's rows instead (Kendᵀ U
-// = Kᵀ diag(e) U) and the backward's Kend G. So the keys are plain copies, issued as 16-byte
-// asynchronous copies all at once, and each product's epilogue operands are loaded before its
-// products run. Needs dk % 16 == 0 (the state's rows are the product's 16-row tiles).
+// banks), a chunk's raw keys in two tiles [64, dk + 4] and [64, dk + 8] (rows past c zero), and its
+// key scales e [64]. Each product reads one of Kc and K as its A operand: the first product by
+// rows (the forward Kc, the backward K: stride dk + 4, ≡ 4 or 20 mod 32), the second by columns
+// (the forward K, the backward Kc: stride dk + 8, ≡ 8 or 24 mod 32), so that a warp's fragment
+// reads hit 32 distinct banks either way, where one [64, 2 dk + 4] tile of both put two lanes on
+// a bank in the reads by columns. Kend = diag(e) K is never formed: e scales U's rows instead
+// (Kendᵀ U = Kᵀ diag(e) U) and the backward's Kend G. So the keys are plain copies, issued as
+// 16-byte asynchronous copies all at once, and each product's epilogue operands are loaded before
+// its products run. Needs dk % 16 == 0 (the state's rows are the product's 16-row tiles).
 #define TC_SW 40
 
 // v[s][i] = f(row, col) at the positions tc_each visits: an epilogue's operands, loaded before
@@ -825,24 +829,25 @@ __device__ __forceinline__ void tc_each_with(float acc[S][4], float v[S][4], int
   }
 }
 
-// Chunk `blk`'s keys into KK and its key scales into es_out (rows c..rows zero), then wait for
-// them and synchronise. `vec`: every key row is 16-byte aligned (dk % 4 == 0 and aligned bases).
-__device__ __forceinline__ void tc_walk_stage(const float *kc, const float *k, const float *e, float *KK,
-                                              float *es_out, long long blk, int c, int rows, int dk, int delta,
-                                              int kks, bool vec) {
-  const int koff = delta ? dk : 0;
-  const float *kcs = kc + blk * c * dk, *ks = k + blk * c * dk, *es = e + blk * c;
+// Chunk `blk`'s keys, `rm` into KR (row stride dk + 4, read by rows) and `tr` into KT (row stride
+// dk + 8, read by columns), either absent where null, rows c..rows zero; and its key scales into
+// es_out; then wait for them and synchronise. `vec`: every key row is 16-byte aligned (dk % 4 == 0
+// and aligned bases).
+__device__ __forceinline__ void tc_walk_stage(const float *rm, const float *tr, const float *e, float *KR, float *KT,
+                                              float *es_out, long long blk, int c, int rows, int dk, bool vec) {
+  const int krs = dk + 4, kts = dk + 8;
+  const float *rms = rm ? rm + blk * c * dk : nullptr, *trs = tr ? tr + blk * c * dk : nullptr, *es = e + blk * c;
   if (vec) {
     const int q = dk / 4;
     for (int i = threadIdx.x; i < rows * q; i += blockDim.x) {
       const int t = i / q, r = (i % q) * 4;
-      float *dst = KK + t * kks + r;
+      float *dr = KR + t * krs + r, *dt = KT + t * kts + r;
       if (t < c) {
-        if (delta) __pipeline_memcpy_async(dst, kcs + (long long)t * dk + r, 16);
-        __pipeline_memcpy_async(dst + koff, ks + (long long)t * dk + r, 16);
+        if (rms) __pipeline_memcpy_async(dr, rms + (long long)t * dk + r, 16);
+        if (trs) __pipeline_memcpy_async(dt, trs + (long long)t * dk + r, 16);
       } else {
-        if (delta) *reinterpret_cast<float4 *>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        *reinterpret_cast<float4 *>(dst + koff) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (rms) *reinterpret_cast<float4 *>(dr) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (trs) *reinterpret_cast<float4 *>(dt) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
     __pipeline_commit();
@@ -850,8 +855,8 @@ __device__ __forceinline__ void tc_walk_stage(const float *kc, const float *k, c
     for (int i = threadIdx.x; i < rows * dk; i += blockDim.x) {
       const int t = i / dk, r = i % dk;
       const bool in = t < c;
-      if (delta) KK[t * kks + r] = in ? kcs[i] : 0.0f;
-      KK[t * kks + koff + r] = in ? ks[i] : 0.0f;
+      if (rms) KR[t * krs + r] = in ? rms[i] : 0.0f;
+      if (trs) KT[t * kts + r] = in ? trs[i] : 0.0f;
     }
   }
   for (int t = threadIdx.x; t < INTRA_C; t += blockDim.x) es_out[t] = t < c ? es[t] : 0.0f;
@@ -879,9 +884,9 @@ template <int SS>
 __device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const float *kc, const float *k,
                                             const float *e, const float *s0, const float *a, float *u_out,
                                             float *states, int n, int bh, int c, int dk, int dv, int delta) {
-  const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
+  const int krs = dk + 4, kts = dk + 8;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
-  float *S = wsm, *U = S + dk * TC_SW, *KK = U + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
+  float *S = wsm, *U = S + dk * TC_SW, *KR = U + INTRA_C * TC_SW, *KT = KR + INTRA_C * krs, *es = KT + INTRA_C * kts;
   const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
   const bool vec = tc_walk_vec(kc, k, dk, delta);
   for (int i = threadIdx.x; i < dk * WALK_TV; i += blockDim.x) {
@@ -895,12 +900,12 @@ __device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const fl
     tc_fill<2>(wv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? wi[(long long)t * dv + col0 + j] : 0.0f;
     });
-    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
+    tc_walk_stage(delta ? kc : nullptr, k, e, KR, KT, es, blk, c, cm, dk, vec);
     tc_walk_out(S, dk, states + blk * dk * dv, dv, col0);
     // U = W − Kc S, kept as diag(e) U for the state's update
     float acc[2][4];
     tc_zero<2>(acc);
-    if (delta) tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK, kks, 1}, TcView{S, TC_SW, 1}, false);
+    if (delta) tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KR, krs, 1}, TcView{S, TC_SW, 1}, false);
     float *ui = u_out + blk * c * dv;
     tc_each_with<2>(acc, wv, cm, WALK_TV, [&](int t, int j, float x, float wtj) {
       const float u = wtj - x;
@@ -913,7 +918,7 @@ __device__ __forceinline__ void walk_fwd_tc(float *wsm, const float *w, const fl
     // S ← diag(a) S + Kᵀ diag(e) U (each element read and written by the thread that holds it)
     float sacc[SS][4];
     tc_zero<SS>(sacc);
-    tc_acc<SS>(sacc, dk, WALK_TV, ck, TcView{KK + koff, 1, kks}, TcView{U, TC_SW, 1}, false);
+    tc_acc<SS>(sacc, dk, WALK_TV, ck, TcView{KT, 1, kts}, TcView{U, TC_SW, 1}, false);
     tc_each_with<SS>(sacc, av, dk, WALK_TV,
                     [&](int r, int j, float x, float ar) { S[r * TC_SW + j] = ar * S[r * TC_SW + j] + x; });
     __syncthreads();
@@ -930,10 +935,12 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
                                             const float *a, const float *gu, const float *gs, float *dw, float *gend,
                                             float *ds0, int n, int bh, int c, int dk, int dv, int delta,
                                             const float *ures, const float *sres, float *da_part, float *de_part) {
-  const int kks = (delta ? 2 * dk : dk) + 4, koff = delta ? dk : 0;
+  const int krs = dk + 4, kts = dk + 8;
   const int cm = (c + 15) / 16 * 16, ck = (c + 7) / 8 * 8;
-  float *G = wsm, *dU = G + dk * TC_SW, *KK = dU + INTRA_C * TC_SW, *es = KK + INTRA_C * kks;
-  float *red = es + INTRA_C;  // [64, 4]: each row's sums over the tile's four 8-column groups
+  float *G = wsm, *dU = G + dk * TC_SW, *KR = dU + INTRA_C * TC_SW, *KT = KR + INTRA_C * krs, *es = KT + INTRA_C * kts;
+  // red [64, 4] at row stride TC_SW: each row's sums over the tile's four 8-column groups, in
+  // columns 32..35 of dU's rows, which no product or store reads
+  float *red = dU + WALK_TV;
   const int h = blockIdx.y, col0 = blockIdx.x * WALK_TV;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const long long part0 = (long long)blockIdx.x * n * bh;
@@ -953,11 +960,11 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     tc_fill<2>(uv, cm, WALK_TV, [&](int t, int j) {
       return t < c && col0 + j < dv ? ui[(long long)t * dv + col0 + j] : 0.0f;
     });
-    tc_walk_stage(kc, k, e, KK, es, blk, c, cm, dk, delta, kks, vec);
+    tc_walk_stage(k, delta ? kc : nullptr, e, KR, KT, es, blk, c, cm, dk, vec);
     // dU = gU + diag(e) K G
     float acc[2][4];
     tc_zero<2>(acc);
-    tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KK + koff, kks, 1}, TcView{G, TC_SW, 1}, false);
+    tc_acc<2>(acc, cm, WALK_TV, dk, TcView{KR, krs, 1}, TcView{G, TC_SW, 1}, false);
     // de: U ∘ (K G) summed over each fragment row's 8 columns (a quad of lanes), into red
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -966,8 +973,8 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
       const float lo = quad_sum(uv[s][0] * acc[s][0] + uv[s][1] * acc[s][1]);
       const float hi = quad_sum(uv[s][2] * acc[s][2] + uv[s][3] * acc[s][3]);
       if (lane % 4 == 0) {
-        red[(m0 + lane / 4) * 4 + n0 / 8] = lo;
-        red[(m0 + lane / 4 + 8) * 4 + n0 / 8] = hi;
+        red[(m0 + lane / 4) * TC_SW + n0 / 8] = lo;
+        red[(m0 + lane / 4 + 8) * TC_SW + n0 / 8] = hi;
       }
     }
     tc_each_with<2>(acc, gv, cm, WALK_TV,
@@ -988,12 +995,12 @@ __device__ __forceinline__ void walk_bwd_tc(float *wsm, const float *kc, const f
     });
     __syncthreads();
     for (int t = threadIdx.x; t < c; t += blockDim.x)
-      de_part[(part0 + blk) * c + t] = red[t * 4] + red[t * 4 + 1] + red[t * 4 + 2] + red[t * 4 + 3];
+      de_part[(part0 + blk) * c + t] = red[t * TC_SW] + red[t * TC_SW + 1] + red[t * TC_SW + 2] + red[t * TC_SW + 3];
     tc_walk_out(dU, c, dw + blk * c * dv, dv, col0);
     // G ← diag(a) G − Kcᵀ dU + gS_i (each element read and written by the thread that holds it)
     float g[SS][4];
     tc_zero<SS>(g);
-    if (delta) tc_acc<SS>(g, dk, WALK_TV, ck, TcView{KK, 1, kks}, TcView{dU, TC_SW, 1}, false);
+    if (delta) tc_acc<SS>(g, dk, WALK_TV, ck, TcView{KT, 1, kts}, TcView{dU, TC_SW, 1}, false);
     tc_each_with<SS>(g, keep, dk, WALK_TV, [&](int r, int j, float x, float kp) { G[r * TC_SW + j] = kp - x; });
     __syncthreads();
   }
