@@ -34,10 +34,10 @@ fn run(bin: &Path, shape: [usize; 5]) -> Vec<(String, f64)> {
             (format!("{} {}", f[0], f[1]), f[2].parse().expect("a number"))
         })
         .collect();
-    // The solve (2 + 4 outputs), the outputs (1 + 4), and the walk (2 + 5) in each tensor-core
-    // form that takes dk (`_k64`, `_k128` and the form for 256).
+    // The solve (2 + 4 outputs), the outputs (1 + 4), and the walk (2 + 5, for the delta rule and
+    // the plain one) in each tensor-core form that takes dk (`_k64`, `_k128` and the form for 256).
     let walks = [64, 128, 256].iter().filter(|&&w| shape[3] <= w).count();
-    assert_eq!(rows.len(), 11 + 7 * walks, "{text}");
+    assert_eq!(rows.len(), 11 + 2 * 7 * walks, "{text}");
     rows
 }
 

@@ -160,8 +160,12 @@ const WalkForm WALK_FORMS[] = {{64, "_k64", chunk_walk_fwd_tc_k64, chunk_walk_bw
                                {256, "", chunk_walk_fwd_tc, chunk_walk_bwd_tc}};
 
 // Every tensor-core form that takes dk, against the float32 form: the one chunk.rs launches
-// reported as `chunk_walk_*`, the wider ones as `chunk_walk_*_tc<suffix>`.
-void walk(const Shape &s) {
+// reported as `chunk_walk_*`, the wider ones as `chunk_walk_*_tc<suffix>`; for the plain rule
+// (`delta` 0: no Kc) with `_plain` after the name, and nothing dumped.
+void walk(const Shape &s, int delta) {
+  const std::string rule = delta ? "" : "_plain";
+  const std::string dump = dump_dir;
+  if (!delta) dump_dir.clear();
   const long long bl = s.blocks();
   const size_t lu = bl * s.c * s.dv, lk = bl * s.c * s.dk, ls = (size_t)s.bh * s.dk * s.dv;
   const Buf w = normal(lu, 1.0f), kc = normal(lk, 0.3f), k = normal(lk, 1.0f / std::sqrt((float)s.dk));
@@ -178,11 +182,11 @@ void walk(const Shape &s) {
   Buf u(lu, NAN), st((s.n + 1) * ls, NAN), dw(lu, NAN), gend(s.n * ls, NAN), ds0(ls, NAN);
   emu::launch(grid, THREADS, [&] {
     chunk_walk_fwd_f32(w.data(), kc.data(), k.data(), e.data(), s0.data(), a.data(), u.data(), st.data(), s.n, s.bh,
-                       s.c, s.dk, s.dv, 1);
+                       s.c, s.dk, s.dv, delta);
   });
   emu::launch(grid, THREADS, [&] {
     chunk_walk_bwd_f32(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), dw.data(), gend.data(),
-                       ds0.data(), s.n, s.bh, s.c, s.dk, s.dv, 1);
+                       ds0.data(), s.n, s.bh, s.c, s.dk, s.dv, delta);
   });
   // The tensor-core form's partial sums over each 32-column tile, from the float32 form's
   // outputs: da_i[r] = Σ_j S_i[r][j] G_{i+1}[r][j], de_i[t] = Σ_j U_i[t][j] (K_i G_{i+1})[t][j].
@@ -211,20 +215,20 @@ void walk(const Shape &s) {
   bool launched = true;
   for (const WalkForm &f : WALK_FORMS) {
     if (s.dk > f.max_dk) continue;
-    const std::string fwd = launched ? "chunk_walk_fwd" : std::string("chunk_walk_fwd_tc") + f.suffix;
-    const std::string bwd = launched ? "chunk_walk_bwd" : std::string("chunk_walk_bwd_tc") + f.suffix;
+    const std::string fwd = (launched ? "chunk_walk_fwd" : std::string("chunk_walk_fwd_tc") + f.suffix) + rule;
+    const std::string bwd = (launched ? "chunk_walk_bwd" : std::string("chunk_walk_bwd_tc") + f.suffix) + rule;
     launched = false;
     Buf uo(lu, NAN), so((s.n + 1) * ls, NAN);
     emu::launch(grid, THREADS, [&] {
       f.fwd(w.data(), kc.data(), k.data(), e.data(), s0.data(), a.data(), uo.data(), so.data(), s.n, s.bh, s.c, s.dk,
-            s.dv, 1);
+            s.dv, delta);
     });
     report(fwd.c_str(), "u", uo, u);
     report(fwd.c_str(), "states", so, st);
     Buf x(lu, NAN), y(s.n * ls, NAN), z(ls, NAN), da(tiles * bl * s.dk, NAN), de(tiles * bl * s.c, NAN);
     emu::launch(grid, THREADS, [&] {
       f.bwd(kc.data(), k.data(), e.data(), a.data(), gu.data(), gs.data(), x.data(), y.data(), z.data(), s.n, s.bh,
-            s.c, s.dk, s.dv, 1, u.data(), st.data(), da.data(), de.data());
+            s.c, s.dk, s.dv, delta, u.data(), st.data(), da.data(), de.data());
     });
     report(bwd.c_str(), "dw", x, dw);
     report(bwd.c_str(), "gend", y, gend);
@@ -232,6 +236,7 @@ void walk(const Shape &s) {
     report(bwd.c_str(), "da_tiles", da, rda);
     report(bwd.c_str(), "de_tiles", de, rde);
   }
+  dump_dir = dump;
 }
 }  // namespace
 
@@ -244,6 +249,7 @@ int main(int argc, char **argv) {
   if (argc == 8 && std::string(argv[6]) == "--dump") dump_dir = argv[7];
   intra(s);
   out(s);
-  walk(s);
+  walk(s, 1);
+  walk(s, 0);
   return 0;
 }
