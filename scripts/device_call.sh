@@ -178,7 +178,7 @@ st_grad() {
 st_calib() {
   local d=$(bundle $NEW "$OLD")
   bash scripts/gpu_bench.sh $d $1/x calib:delta_net_1p3b calib:gdn_1p3b > $1/stdout.txt 2>&1
-  grep -E "^calib|^\{|^(total|recurrence|mlp)" $1/stdout.txt
+  grep -vE "^===" $1/stdout.txt
   mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
 }
 

@@ -245,7 +245,7 @@ EOF2
           echo "calib $kind $which rc $?"
           python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['seconds']))" \
             $CK/$name-calib/statecut_report.json > "$log.seconds.json" && cat "$log.seconds.json"
-          [ $kind = profile ] && grep -E "^(total|recurrence|mlp)" "$log.log"
+          [ $kind = profile ] && sed -n '/^stage /,/^total/p' "$log.log"
         done
       done
       rm -rf $CK/$name-calib ;;

@@ -503,6 +503,8 @@ impl Calibration {
         quiet: bool,
     ) -> Result<()> {
         self.collector.need_logits = self.settings.grad;
+        // Opens the profile's clock, so that the time up to the first pass is charged to it.
+        crate::profile::mark("calibrate: setup", model.device());
         if let Some(layers) = model.layers() {
             return self.run_layer_major(layers, seqs, batch, quiet);
         }
@@ -557,7 +559,9 @@ impl Calibration {
             }
         }
         pb.finish_and_clear();
+        crate::profile::mark("outside forward", model.device());
         self.collector.sync()?;
+        crate::profile::mark("observer: rows to the host", model.device());
         self.check_finite()
     }
 

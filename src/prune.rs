@@ -296,8 +296,8 @@ impl<'a> Job<'a> {
         self.serving.lines().iter().for_each(|l| println!("{l}"));
     }
 
-    /// The stages in order: load, calibrate, select, evaluate the original, write, reload and
-    /// evaluate the output, report, commit.
+    /// The stages in order: load, tokenize (the evaluation and calibration texts), calibrate,
+    /// select, evaluate the original, write, reload and evaluate the output, report, commit.
     fn execute(mut self, quiet: bool) -> Result<()> {
         let args = self.args;
         let mut clock = Clock::start();
@@ -318,7 +318,9 @@ impl<'a> Job<'a> {
                 self.plan.eval_seqlen
             );
         }
-        let calibration = self.calibrate(loaded.as_ref(), quiet)?;
+        let seqs = self.calibration_text(loaded.as_ref(), quiet)?;
+        clock.lap("tokenize");
+        let calibration = self.calibrate(loaded.as_ref(), seqs.as_deref(), quiet)?;
         clock.lap("calibrate");
         let layers = select_all(&self.ckpt, &self.layout, &self.plan, self.k, calibration.as_ref(), quiet)?;
         clock.lap("select");
@@ -486,15 +488,31 @@ impl<'a> Job<'a> {
         Ok(Some(crate::commands::load_opened(ckpt, family, layout, &model, &self.args.memory, grad, quiet)?))
     }
 
-    /// Saved activations, or a calibration pass now when the method needs one.
-    fn calibrate(&mut self, loaded: Option<&crate::commands::Loaded>, quiet: bool) -> Result<Option<Calibration>> {
-        Ok(match (self.saved.take(), loaded) {
-            (Some(c), _) => Some(c),
-            (None, Some(m)) if self.calibrate_now => Some(calibrate(
+    /// The calibration sequences, when a calibration pass runs now.
+    fn calibration_text(&self, loaded: Option<&crate::commands::Loaded>, quiet: bool) -> Result<Option<Vec<Vec<u32>>>> {
+        Ok(match loaded {
+            Some(m) if self.saved.is_none() && self.calibrate_now => {
+                let c = &self.plan.calib;
+                Some(crate::commands::sequences(&m.tokenizer, &self.calib_src, c.nsamples, c.seqlen, quiet)?)
+            }
+            _ => None,
+        })
+    }
+
+    /// Saved activations, or a calibration pass over `seqs` now when the method needs one.
+    fn calibrate(
+        &mut self,
+        loaded: Option<&crate::commands::Loaded>,
+        seqs: Option<&[Vec<u32>]>,
+        quiet: bool,
+    ) -> Result<Option<Calibration>> {
+        Ok(match (self.saved.take(), loaded, seqs) {
+            (Some(c), _, _) => Some(c),
+            (None, Some(m), Some(seqs)) => Some(calibrate_on(
                 m,
                 &self.plan.calib,
                 self.plan.method == Method::Grad,
-                &self.calib_src,
+                seqs,
                 self.args.calib.batch(),
                 quiet,
             )?),
@@ -513,6 +531,18 @@ pub(crate) fn calibrate(
     quiet: bool,
 ) -> Result<Calibration> {
     let seqs = crate::commands::sequences(&m.tokenizer, src, c.nsamples, c.seqlen, quiet)?;
+    calibrate_on(m, c, grad, &seqs, batch, quiet)
+}
+
+/// [`calibrate`] over sequences already tokenized.
+fn calibrate_on(
+    m: &crate::commands::Loaded,
+    c: &crate::recipe::Calib,
+    grad: bool,
+    seqs: &[Vec<u32>],
+    batch: Option<usize>,
+    quiet: bool,
+) -> Result<Calibration> {
     let settings = CalibSettings {
         nsamples: c.nsamples,
         seqlen: c.seqlen,
@@ -524,7 +554,7 @@ pub(crate) fn calibrate(
     let hidden = m.ckpt.hidden_size()?;
     let mut cal = Calibration::new(settings, &m.layout, hidden);
     cal.text_column = c.text_column.clone();
-    cal.run(m.model.as_ref(), &seqs, batch, None, quiet)?;
+    cal.run(m.model.as_ref(), seqs, batch, None, quiet)?;
     Ok(cal)
 }
 

@@ -71,7 +71,7 @@ pub struct PruneReport {
     pub ppl: Option<Perplexity>,
     /// Where the output runs and the engine limits its key width hits.
     pub serving: crate::serving::Serving,
-    /// Wall-clock seconds per stage (load, calibrate, select, evaluate_before, write,
+    /// Wall-clock seconds per stage (load, tokenize, calibrate, select, evaluate_before, write,
     /// reload_evaluate) and in total, from the planning step on.
     pub seconds: std::collections::BTreeMap<String, f64>,
     /// Heads whose strong-RRQR bounds hold / heads checked (DRRQR only).
