@@ -709,8 +709,12 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   }
 
   // Per entry below the diagonal: dG into M over G (read first), P = dA · A over dA in D; the
-  // row's sums of P and of the G term of dβ. A warp takes a row, its lanes the columns: with a
-  // thread a row, two warps of the eight worked while the rest waited at the barrier.
+  // row's sums of P and of the G term of dβ. dG is strictly lower, and dK takes it as dG + dGᵀ:
+  // each entry is written at both places, so M holds that sum (one of its two terms is zero,
+  // so it is exact) and dK needs one product where dG and dGᵀ took two. G is read only below
+  // the diagonal, so the writes above it clobber nothing still to be read. A warp takes a row,
+  // its lanes the columns: with a thread a row, two warps of the eight worked while the rest
+  // waited at the barrier.
   for (int t = warp; t < INTRA_C; t += warps) {
     float pb = 0.0f, pg = 0.0f;
     for (int j = lane; j < INTRA_C; j += 32) {
@@ -719,10 +723,10 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         const float p = da * (-bet[t] * e * g);
         pb -= da * e * g;
         pg += p;
-        M[t * TC_P + j] = -bet[t] * e * da;
+        M[t * TC_P + j] = M[j * TC_P + t] = -bet[t] * e * da;
         D[t * TC_P + j] = p;
-      } else {
-        M[t * TC_P + j] = 0.0f;
+      } else if (j <= t) {
+        M[t * TC_P + j] = M[j * TC_P + t] = 0.0f;
       }
     }
     pb = warp_sum(pb);
@@ -745,7 +749,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
   }
   __syncthreads();
 
-  // dK = dG K + dGᵀ K + diag(β e^γ) Tᵀ dKc, with k·dY into dβ and dγ (dY = Tᵀ dKc).
+  // dK = (dG + dGᵀ) K + diag(β e^γ) Tᵀ dKc, with k·dY into dβ and dγ (dY = Tᵀ dKc).
   tc_pipeline(
       (dk + INTRA_TW - 1) / INTRA_TW,
       [&](int i, int b) {
@@ -761,7 +765,6 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         tc_zero<2>(z);
         tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(X), false);
         tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows_b(kt), false);
-        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(M), tc_rows_b(kt), false);
         __syncthreads();  // X takes the first tile's place
         // y and z hold the same elements in the same threads.
         tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
