@@ -1,7 +1,8 @@
 //! The CUDA path against the CPU path on the shared reference models (needs a GPU and
 //! `--features cuda`; see docs/GPU.md for the command): float32 and bf16 logits, the
 //! key-projection gradients of the Grad selector, step-by-step decoding, and calibration rows;
-//! and the CUDA recurrence kernels against the CPU kernel on random inputs of many shapes.
+//! the CUDA recurrence kernels against the CPU kernel on random inputs of many shapes; and the
+//! optimizer's update.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -1013,4 +1014,27 @@ fn gradients_match_pytorch() {
         .map(|(name, ..)| *name)
         .collect();
     assert!(failed.is_empty(), "gradients differ from PyTorch's on the GPU: {failed:?}");
+}
+
+/// The in-place AdamW update on the GPU against its CPU half, bit for bit (both spell out the
+/// same float32 roundings), with and without clipping, at sizes around the launch's blocks.
+#[test]
+fn adamw_update_matches_cpu_bit_for_bit() {
+    use statecut::ops::adamw::{update, Update};
+    let dev = gpu();
+    for (n, t, clip) in [(1, 1, None), (255, 3, Some(0.25)), (70_001, 40, None), (65_536, 1000, Some(1.0))] {
+        let cpu = Device::Cpu;
+        let p = Tensor::randn(0f32, 1.0, n, &cpu).unwrap();
+        let m = (Tensor::randn(0f32, 1.0, n, &cpu).unwrap() * 1e-3).unwrap();
+        let v = (Tensor::randn(0f32, 1.0, n, &cpu).unwrap().sqr().unwrap() * 1e-6).unwrap();
+        let g = (Tensor::randn(0f32, 1.0, n, &cpu).unwrap() * 3.0).unwrap();
+        let u = Update::new(0.9, 0.95, 1e-15, t, 3e-4, 0.1, clip);
+        let on_cpu = Tensor::cat(&[&p, &m, &v], 0).unwrap();
+        update(&on_cpu, &g, u).unwrap();
+        // From p, m and v again: the CPU update wrote over its own buffer.
+        let on_gpu = Tensor::cat(&[&p, &m, &v], 0).unwrap().to_device(&dev).unwrap();
+        update(&on_gpu, &g.to_device(&dev).unwrap(), u).unwrap();
+        let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(&on_gpu.to_device(&cpu).unwrap()), bits(&on_cpu), "n {n}, t {t}, clip {clip:?}");
+    }
 }

@@ -1,5 +1,6 @@
 //! Math shared by every architecture adapter: written once, reused.
 
+pub mod adamw;
 pub mod attention;
 mod chunk_intra;
 mod chunk_layout;

@@ -349,7 +349,7 @@ impl<'a> Job<'a> {
                 parts +=
                     pass.run(&ids, &targets, scale, &vars, &mut acc).with_context(|| format!("step {}", step + 1))?;
             }
-            let mut grads = params.grads(&acc)?;
+            let grads = params.grads(&acc)?;
             drop(acc);
             let norm = optim::global_norm(&grads)?;
             let loss = parts.loss(&kd);
@@ -366,8 +366,7 @@ impl<'a> Job<'a> {
                 }
             } else {
                 bad_run = 0;
-                optim::clip(&mut grads, norm, args.recipe.clip)?;
-                opt.step(&mut params.values, &grads, lr)?;
+                opt.step(&mut params.values, &grads, lr, optim::clip_scale(norm, args.recipe.clip))?;
             }
             let kd_part = kd.kd_weight * kd.temperature * kd.temperature * parts.kl / n;
             progress.history.push(StepLog {

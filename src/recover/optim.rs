@@ -3,7 +3,7 @@
 //! whatever the model's dtype.
 
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor, TensorId};
 
 /// AdamW's settings. The betas are torchtitan's (the recipe's trainer), not PyTorch's defaults.
 #[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
@@ -21,49 +21,67 @@ pub struct AdamW {
     pub v: Vec<Tensor>,
     /// Updates taken (skipped steps do not count).
     pub t: u64,
+    /// Per parameter, the buffer [p | m | v] the last update wrote in place, and the ids of the
+    /// views of it it handed out as the parameter and its moments. While those are still the
+    /// ones in place, the next update reuses the buffer; a parameter or moment replaced since
+    /// (a resumed run loads them) is packed again.
+    packed: Vec<Option<(Tensor, [TensorId; 3])>>,
 }
 
 impl AdamW {
     pub fn new(cfg: AdamWConfig, params: &[Tensor]) -> Result<Self> {
         let zeros = || params.iter().map(|p| p.zeros_like().map_err(Into::into)).collect::<Result<Vec<_>>>();
-        Ok(Self { cfg, m: zeros()?, v: zeros()?, t: 0 })
+        Ok(Self { cfg, m: zeros()?, v: zeros()?, t: 0, packed: vec![None; params.len()] })
     }
 
-    /// One update of `params` with `grads` at learning rate `lr`.
-    pub fn step(&mut self, params: &mut [Tensor], grads: &[Tensor], lr: f64) -> Result<()> {
+    /// One update of `params` (float32) with `grads` at learning rate `lr`, the gradients
+    /// scaled by `clip` first when given (see [`clip_scale`]): one op a parameter
+    /// ([`crate::ops::adamw`]), giving the values candle's ops gave.
+    pub fn step(&mut self, params: &mut [Tensor], grads: &[Tensor], lr: f64, clip: Option<f64>) -> Result<()> {
         self.t += 1;
         let c = self.cfg;
-        let (bc1, bc2) = (1.0 - c.beta1.powi(self.t as i32), 1.0 - c.beta2.powi(self.t as i32));
+        let u = crate::ops::adamw::Update::new(c.beta1, c.beta2, c.eps, self.t, lr, c.weight_decay, clip);
         for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
-            self.m[i] = ((&self.m[i] * c.beta1)? + (g * (1.0 - c.beta1))?)?;
-            self.v[i] = ((&self.v[i] * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let m_hat = (&self.m[i] / bc1)?;
-            let denom = ((&self.v[i] / bc2)?.sqrt()? + c.eps)?;
-            let decayed = (&*p * (1.0 - lr * c.weight_decay))?;
-            *p = (decayed - (m_hat / denom)? * lr)?;
+            let n = p.elem_count();
+            if n == 0 {
+                continue;
+            }
+            let ids = [p.id(), self.m[i].id(), self.v[i].id()];
+            let state = match &self.packed[i] {
+                Some((buf, held)) if *held == ids => buf.clone(),
+                _ => {
+                    let parts = [&*p, &self.m[i], &self.v[i]].map(|t| t.to_dtype(DType::F32)?.flatten_all());
+                    let [a, b, c] = parts;
+                    Tensor::cat(&[a?, b?, c?], 0)?
+                }
+            };
+            let g = g.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
+            crate::ops::adamw::update(&state, &g, u)?;
+            let shape = p.shape().clone();
+            let part = |k: usize| state.narrow(0, k * n, n)?.reshape(&shape);
+            (*p, self.m[i], self.v[i]) = (part(0)?, part(1)?, part(2)?);
+            self.packed[i] = Some((state, [p.id(), self.m[i].id(), self.v[i].id()]));
         }
         Ok(())
     }
 }
 
-/// The L2 norm of all gradients together (float64 sum of float32 squares).
+/// The L2 norm of all gradients together: each gradient's float32 sum of squares, summed in
+/// float64 in order on the host. The sums come off the device together, in one copy.
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
-    let mut sum = 0f64;
-    for g in grads {
-        sum += crate::ops::sum_all(&g.sqr()?)?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+    let sums =
+        grads.iter().map(|g| crate::ops::sum_all(&g.sqr()?)?.reshape(1)).collect::<candle_core::Result<Vec<_>>>()?;
+    if sums.is_empty() {
+        return Ok(0.0);
     }
-    Ok(sum.sqrt())
+    let sums = Tensor::cat(&sums, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+    Ok(sums.into_iter().fold(0f64, |a, s| a + s).sqrt())
 }
 
-/// Scale `grads` so that their global norm is at most `max` (no change when `max` is 0).
-pub fn clip(grads: &mut [Tensor], norm: f64, max: f64) -> Result<()> {
-    if max > 0.0 && norm > max {
-        let s = max / (norm + 1e-6);
-        for g in grads.iter_mut() {
-            *g = (&*g * s)?;
-        }
-    }
-    Ok(())
+/// The factor that scales gradients of global norm `norm` to at most `max` (none when `max`
+/// is 0 or the norm is within it).
+pub fn clip_scale(norm: f64, max: f64) -> Option<f64> {
+    (max > 0.0 && norm > max).then(|| max / (norm + 1e-6))
 }
 
 /// The learning rate of step `step` (from 0) of `total`: linear warm-up over `warmup` steps to
@@ -100,8 +118,8 @@ mod tests {
         let mut p = vec![Tensor::new(&[1.0f32, -2.0], &dev)?];
         let mut opt = AdamW::new(cfg, &p)?;
         let (g1, g2) = ([0.5f64, -1.0], [0.25f64, 2.0]);
-        opt.step(&mut p, &[Tensor::new(&[0.5f32, -1.0], &dev)?], 0.01)?;
-        opt.step(&mut p, &[Tensor::new(&[0.25f32, 2.0], &dev)?], 0.02)?;
+        opt.step(&mut p, &[Tensor::new(&[0.5f32, -1.0], &dev)?], 0.01, None)?;
+        opt.step(&mut p, &[Tensor::new(&[0.25f32, 2.0], &dev)?], 0.02, None)?;
         let got = p[0].to_vec1::<f32>()?;
         for (j, start) in [1.0f64, -2.0].into_iter().enumerate() {
             let (mut x, mut m, mut v) = (start, 0.0, 0.0);
@@ -120,11 +138,40 @@ mod tests {
     #[test]
     fn clipping_bounds_the_global_norm() -> Result<()> {
         let dev = Device::Cpu;
-        let mut g = vec![Tensor::new(&[3.0f32], &dev)?, Tensor::new(&[4.0f32], &dev)?];
+        let g = vec![Tensor::new(&[3.0f32], &dev)?, Tensor::new(&[4.0f32], &dev)?];
         let n = global_norm(&g)?;
         assert!((n - 5.0).abs() < 1e-9);
-        clip(&mut g, n, 1.0)?;
-        assert!((global_norm(&g)? - 1.0).abs() < 1e-5);
+        assert_eq!(clip_scale(n, 0.0), None);
+        assert_eq!(clip_scale(n, 6.0), None);
+        let s = clip_scale(n, 1.0).expect("clipped");
+        let clipped: Vec<Tensor> = g.iter().map(|g| g * s).collect::<candle_core::Result<_>>()?;
+        assert!((global_norm(&clipped)? - 1.0).abs() < 1e-5);
+        Ok(())
+    }
+
+    /// The packed buffer is reused while the parameter and moments in place are its views,
+    /// and packed again once one is replaced (as a resume replaces them): both give the same
+    /// values as a fresh optimizer fed the same state.
+    #[test]
+    fn replaced_state_is_packed_again() -> Result<()> {
+        let cfg = AdamWConfig { weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8 };
+        let dev = Device::Cpu;
+        let g = [Tensor::new(&[[0.5f32, -1.0], [0.25, 2.0]], &dev)?];
+        let mut p = vec![Tensor::new(&[[1.0f32, -2.0], [0.5, 3.0]], &dev)?];
+        let mut opt = AdamW::new(cfg, &p)?;
+        opt.step(&mut p, &g, 0.01, None)?;
+        assert_eq!(p[0].dims(), [2, 2]);
+        opt.step(&mut p, &g, 0.01, Some(0.5))?;
+        // A resume: the same values, as new tensors.
+        let mut q = vec![p[0].copy()?];
+        let mut fresh = AdamW::new(cfg, &q)?;
+        (fresh.m[0], fresh.v[0], fresh.t) = (opt.m[0].copy()?, opt.v[0].copy()?, opt.t);
+        opt.m[0] = opt.m[0].copy()?;
+        opt.step(&mut p, &g, 0.02, None)?;
+        fresh.step(&mut q, &g, 0.02, None)?;
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&p[0]), flat(&q[0]));
+        assert_eq!(flat(&opt.v[0]), flat(&fresh.v[0]));
         Ok(())
     }
 }

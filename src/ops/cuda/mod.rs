@@ -26,6 +26,7 @@ macro_rules! per_dtype {
     };
 }
 
+mod adamw;
 mod chunk;
 mod conv;
 mod decode;
@@ -35,6 +36,7 @@ mod norm;
 mod prep;
 mod recurrence;
 
+pub use adamw::adamw;
 pub use chunk::{
     chunk_intra, chunk_intra_back, chunk_join_keys, chunk_out, chunk_out_back, chunk_walk, chunk_walk_back,
     from_chunks, to_chunks,
