@@ -100,7 +100,18 @@ impl InplaceOp2 for Update {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        super::cuda::adamw(s, sl, (g, gl), self)
+        let k = [
+            self.b1,
+            self.one_minus_b1,
+            self.b2,
+            self.one_minus_b2,
+            self.inv_bc1,
+            self.inv_bc2,
+            self.eps,
+            self.decay,
+            self.lr,
+        ];
+        super::cuda::adamw(s, sl, (g, gl), self.clip, k)
     }
 }
 

@@ -1,14 +1,21 @@
 //! Launcher of the in-place AdamW update (`adamw.cu`).
 
 use super::{contiguous, function, view};
-use crate::ops::adamw::Update;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, Layout, Result};
 
-/// `adamw_update`: state [3n] (float32 p | m | v, contiguous) updated in place from g [n].
-pub fn adamw(state: &mut CudaStorage, sl: &Layout, g: (&CudaStorage, &Layout), u: &Update) -> Result<()> {
+/// `adamw_update`: state [3n] (float32 p | m | v, contiguous) updated in place from g [n],
+/// scaled by `clip` when given; `k`: β₁, 1 − β₁, β₂, 1 − β₂, 1 / (1 − β₁ᵗ), 1 / (1 − β₂ᵗ), ε,
+/// 1 − lr · weight decay, lr (see `ops::adamw::Update`).
+pub fn adamw(
+    state: &mut CudaStorage,
+    sl: &Layout,
+    g: (&CudaStorage, &Layout),
+    clip: Option<f32>,
+    k: [f32; 9],
+) -> Result<()> {
     let what = "adamw";
     let (a, b) = contiguous(sl, what)?;
     let gv = view::<f32>(g, what)?;
@@ -24,10 +31,11 @@ pub fn adamw(state: &mut CudaStorage, sl: &Layout, g: (&CudaStorage, &Layout), u
     let func = function(&dev, "adamw_update")?;
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
-    let (n64, clip, scale) = (n as i64, i32::from(u.clip.is_some()), u.clip.unwrap_or(1.0));
-    builder.arg(&mut sv).arg(&gv).arg(&n64).arg(&clip).arg(&scale);
-    builder.arg(&u.b1).arg(&u.one_minus_b1).arg(&u.b2).arg(&u.one_minus_b2);
-    builder.arg(&u.inv_bc1).arg(&u.inv_bc2).arg(&u.eps).arg(&u.decay).arg(&u.lr);
+    let (n64, clipped, scale) = (n as i64, i32::from(clip.is_some()), clip.unwrap_or(1.0));
+    builder.arg(&mut sv).arg(&gv).arg(&n64).arg(&clipped).arg(&scale);
+    for x in &k {
+        builder.arg(x);
+    }
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(256).min(65535) as u32, 1, 1),
         block_dim: (256, 1, 1),
