@@ -103,7 +103,8 @@ bundle() {
   if [ ! -d $d ]; then
     mkdir -p $d/shared/data; cp -r "$COMMON"/whl "$COMMON"/tokenizer $d/; cp -r "$COMMON"/shared/data/calib $d/shared/data/
     xz -0 -T0 -c /tmp/bins/$1/statecut > $d/statecut.xz
-    [ -n "$2" ] && xz -0 -T0 -c /tmp/bins/$2/statecut > $d/statecut_before.xz
+    # A build whose bundle brought no statecut (a recurrence-only build) has no "before" run.
+    [ -n "$2" ] && [ -f /tmp/bins/$2/statecut ] && xz -0 -T0 -c /tmp/bins/$2/statecut > $d/statecut_before.xz
   fi
   echo $d
 }
