@@ -503,7 +503,8 @@ impl Calibration {
         quiet: bool,
     ) -> Result<()> {
         self.collector.need_logits = self.settings.grad;
-        // Opens the profile's clock, so that the time up to the first pass is charged to it.
+        // Starts the profile's clock here (what came before is charged to "calibrate: setup"), so
+        // that the time from here to the first pass is counted, as that pass's "outside forward".
         crate::profile::mark("calibrate: setup", model.device());
         if let Some(layers) = model.layers() {
             return self.run_layer_major(layers, seqs, batch, quiet);

@@ -50,9 +50,8 @@ impl AdamW {
             let state = match &self.packed[i] {
                 Some((buf, held)) if *held == ids => buf.clone(),
                 _ => {
-                    let parts = [&*p, &self.m[i], &self.v[i]].map(|t| t.to_dtype(DType::F32)?.flatten_all());
-                    let [a, b, c] = parts;
-                    Tensor::cat(&[a?, b?, c?], 0)?
+                    let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all();
+                    Tensor::cat(&[flat(p)?, flat(&self.m[i])?, flat(&self.v[i])?], 0)?
                 }
             };
             let g = g.to_dtype(DType::F32)?.flatten_all()?.contiguous()?;
