@@ -246,6 +246,7 @@ fn bad_input_fails_cleanly() {
         (vec!["--resume", "--steps", "1"], "no saved training state"),
         (vec!["--train-memory", "45GiB", "--recompute", "all", "--steps", "1"], "--train-memory bounds"),
         (vec!["--train-memory", "lots", "--steps", "1"], "--train-memory"),
+        (vec!["--kd-weight", "0", "--lm-weight", "0", "--steps", "1"], "leave no loss to train on"),
         // Weights blown up by an absurd rate: every step is skipped, then the run stops.
         (
             vec!["--lr", "1e6", "--warmup", "0", "--max-bad-steps", "2", "--steps", "12"],

@@ -129,6 +129,10 @@ pub fn check_flags(r: &crate::cli::RecoveryArgs) -> Result<()> {
     if r.train_memory.is_some() && r.recompute != crate::cli::Recompute::Auto {
         bail!("--train-memory bounds what --recompute auto keeps; drop it, or use --recompute auto");
     }
+    // Both terms weighted 0: every step's loss and gradient would be zero and nothing would train.
+    if r.kd_weight == 0.0 && r.lm_weight == 0.0 {
+        bail!("--kd-weight 0 and --lm-weight 0 leave no loss to train on; give either a weight above 0");
+    }
     Ok(())
 }
 
