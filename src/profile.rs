@@ -3,7 +3,8 @@
 //! (candle-transformers' `with_tracing`): a [`Span`] opened by a projection, a short conv, a
 //! recurrence, a decoder layer's step or the observer covers that part's work, and a part's own
 //! time excludes the spans opened inside it. Inside an op, [`mark`] charges the time since the
-//! previous event to a named stage of that op. Every event waits for the device, which costs
+//! previous event to a named stage of that op; the time between the outermost spans that no mark
+//! claims is "between spans", so the stages add up to the wall time. Every event waits for the device, which costs
 //! some overlap, so profiled runs are a little slower; off, an event is one atomic load.
 
 use candle_core::Device;
@@ -26,6 +27,11 @@ struct Totals {
     /// Per stage: total, calls, longest call (a first call that loads kernels stands out).
     stages: BTreeMap<&'static str, (Duration, u64, Duration)>,
 }
+
+/// The stage of the time between the outermost spans that no mark claims: host work between
+/// the parts of a pass (the loop around the layers, setting up the next batch) and the device
+/// work it queued.
+const OUTSIDE: &str = "between spans";
 
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -80,7 +86,12 @@ pub fn span(stage: &'static str, dev: &Device) -> Span {
         return Span { dev: None };
     }
     let (now, mut t) = now_after(dev);
-    // The time before the span is the enclosing part's own.
+    // The time before the span is the enclosing part's own; with none open, it is charged to
+    // OUTSIDE, so that the table's total is the wall time from the first event to the last.
+    if let (None, Some(last)) = (t.open.last(), t.last) {
+        let d = now - last;
+        t.add(OUTSIDE, d, d);
+    }
     t.open.push(Open { stage, start: now, inner: Duration::ZERO });
     t.last = Some(now);
     Span { dev: Some(dev.clone()) }
