@@ -4,6 +4,8 @@ use statecut::cli::{Cli, Command};
 fn main() {
     // Before any thread starts: every later thread inherits the blocked signals.
     statecut::signals::install();
+    // Gradients that meet are summed 16 bytes a thread on GPUs (the same bits as candle's add).
+    statecut::ops::add::use_for_gradients();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // --help and --version print and exit 0; a usage error is one line and exit 1, as any other.

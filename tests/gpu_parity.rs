@@ -16,8 +16,9 @@ use statecut::checkpoint::Checkpoint;
 use statecut::graph_decode::GraphDecoder;
 use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
 
-/// The device as `--device cuda` opens it.
+/// The device as `--device cuda` opens it, gradients summed as the binary sums them.
 fn gpu() -> Device {
+    statecut::ops::add::use_for_gradients();
     statecut::device::DeviceSpec::Cuda(0).open().expect("a CUDA device (these tests need a GPU)")
 }
 
@@ -1037,4 +1038,48 @@ fn adamw_update_matches_cpu_bit_for_bit() {
         let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
         assert_eq!(bits(&on_gpu.to_device(&cpu).unwrap()), bits(&on_cpu), "n {n}, t {t}, clip {clip:?}");
     }
+}
+
+/// The add op (16 bytes a thread where counts and offsets allow) against candle's add on the
+/// GPU, bit for bit, in every dtype: counts with and without a whole last pack, inputs at an
+/// offset, strided inputs. And a backward that sums gradients (with `grad_sum`, as `gpu()` installs) gives the
+/// same bits as the one candle's add makes on the CPU.
+#[test]
+fn add_matches_candles_add_bit_for_bit() {
+    use statecut::ops::add::{add, grad_sum};
+    let dev = gpu();
+    let cpu = Device::Cpu;
+    let bits = |t: &Tensor| {
+        let t = t.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        t.to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
+    };
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for n in [8, 1000, 4096 * 3 + 5, 1 << 20] {
+            let a = Tensor::randn(0f32, 3.0, n, &cpu).unwrap().to_dtype(dt).unwrap();
+            let b = Tensor::randn(0f32, 1e-3, n, &cpu).unwrap().to_dtype(dt).unwrap();
+            let (ga, gb) = (a.to_device(&dev).unwrap(), b.to_device(&dev).unwrap());
+            let want = bits(&(&ga + &gb).unwrap());
+            assert_eq!(bits(&add(&ga, &gb).unwrap()), want, "{dt:?} n {n}");
+            assert_eq!(bits(&grad_sum(&ga, &gb).unwrap()), want, "{dt:?} n {n}");
+            assert_eq!(bits(&(&a + &b).unwrap()), want, "{dt:?} n {n}: CPU");
+            // One element in: offsets that are not a whole pack.
+            let (oa, ob) = (ga.narrow(0, 1, n - 1).unwrap(), gb.narrow(0, 1, n - 1).unwrap());
+            assert_eq!(bits(&add(&oa, &ob).unwrap()), bits(&(&oa + &ob).unwrap()), "{dt:?} n {n} at 1");
+        }
+        let a = Tensor::randn(0f32, 1.0, (64, 96), &dev).unwrap().to_dtype(dt).unwrap().t().unwrap();
+        let b = Tensor::randn(0f32, 1.0, (64, 96), &dev).unwrap().to_dtype(dt).unwrap().t().unwrap();
+        assert_eq!(bits(&add(&a, &b).unwrap()), bits(&(&a + &b).unwrap()), "{dt:?} strided");
+    }
+    // x reaches the loss three ways, so its gradient is a sum of three; each term is a product
+    // rounded once, the same bits on either device, and so are the sums.
+    let rand = || Tensor::randn(0f32, 1.0, (512, 384), &cpu).unwrap().to_dtype(DType::BF16).unwrap();
+    let (x, w, v) = (rand(), rand(), rand());
+    let grad_of_x = |d: &Device| {
+        let x = candle_core::Var::from_tensor(&x.to_device(d).unwrap()).unwrap();
+        let (w, v) = (w.to_device(d).unwrap(), v.to_device(d).unwrap());
+        let y = ((x.as_tensor() * &w).unwrap() + x.as_tensor().sqr().unwrap()).unwrap();
+        let loss = (y + (x.as_tensor() * &v).unwrap()).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap();
+        loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
+    };
+    assert_eq!(bits(&grad_of_x(&dev)), bits(&grad_of_x(&cpu).to_device(&dev).unwrap()), "a sum of three gradients");
 }

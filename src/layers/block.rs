@@ -196,7 +196,7 @@ impl layered::Block for Layer {
             });
         }
         if let Some(y) = pending {
-            h = (h + y.tracked("residual sum")?)?;
+            h = crate::ops::add::add(&h, &y.tracked("residual sum")?)?;
         }
         Ok(h)
     }

@@ -1,6 +1,7 @@
 //! Math shared by every architecture adapter: written once, reused.
 
 pub mod adamw;
+pub mod add;
 pub mod attention;
 mod chunk_intra;
 mod chunk_layout;
