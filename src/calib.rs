@@ -503,8 +503,8 @@ impl Calibration {
         quiet: bool,
     ) -> Result<()> {
         self.collector.need_logits = self.settings.grad;
-        // Starts the profile's clock here (what came before is charged to "calibrate: setup"), so
-        // that the time from here to the first pass is counted, as that pass's "outside forward".
+        // Charges the time since the last profiled event, if any, to "calibrate: setup", and
+        // starts the clock of the pass: what follows up to its first span is "between spans".
         crate::profile::mark("calibrate: setup", model.device());
         if let Some(layers) = model.layers() {
             return self.run_layer_major(layers, seqs, batch, quiet);

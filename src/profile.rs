@@ -4,8 +4,9 @@
 //! recurrence, a decoder layer's step or the observer covers that part's work, and a part's own
 //! time excludes the spans opened inside it. Inside an op, [`mark`] charges the time since the
 //! previous event to a named stage of that op; the time between the outermost spans that no mark
-//! claims is "between spans", so the stages add up to the wall time. Every event waits for the device, which costs
-//! some overlap, so profiled runs are a little slower; off, an event is one atomic load.
+//! claims is "between spans", so the stages add up to the wall time. Every event waits for the
+//! device, which costs some overlap, so profiled runs are a little slower; off, an event is one
+//! atomic load.
 
 use candle_core::Device;
 use std::collections::BTreeMap;

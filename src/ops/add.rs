@@ -55,21 +55,30 @@ impl CustomOp2 for Add {
         b: &candle_core::CudaStorage,
         bl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        // Strided inputs, or counts and offsets that do not allow 16 bytes a thread, take
-        // candle's kernel.
-        let packed = match (al.is_contiguous(), bl.is_contiguous()) {
-            (true, true) => super::cuda::add_packs((a, al), (b, bl))?,
-            _ => None,
-        };
-        let sum = match packed {
-            Some(sum) => sum,
-            None => a.binary_impl::<candle_core::op::Add>(b, al, bl)?,
-        };
-        Ok((sum, al.shape().clone()))
+        Ok((cuda_sum(a, al, b, bl)?, al.shape().clone()))
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(grad.clone()), Some(grad.clone())))
+    }
+}
+
+/// a + b on the GPU by `add_packs`; strided inputs, or counts and offsets that do not allow 16
+/// bytes a thread, take candle's kernel. Either way each sum is rounded once, as candle rounds it.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_sum(
+    a: &candle_core::CudaStorage,
+    al: &Layout,
+    b: &candle_core::CudaStorage,
+    bl: &Layout,
+) -> Result<candle_core::CudaStorage> {
+    let packed = match (al.is_contiguous(), bl.is_contiguous()) {
+        (true, true) => super::cuda::add_packs((a, al), (b, bl))?,
+        _ => None,
+    };
+    match packed {
+        Some(sum) => Ok(sum),
+        None => a.binary_impl::<candle_core::op::Add>(b, al, bl),
     }
 }
 

@@ -335,8 +335,7 @@ impl CustomOp2 for MlpStep {
 }
 
 impl MlpStep {
-    /// h + mlp(x) for x the normed h, the sum by `add_packs` where the layout allows it (candle's
-    /// add reads and writes an element a thread, at under half the memory bandwidth).
+    /// h + mlp(x) for x the normed h, the sum by `ops::add::cuda_sum`.
     #[cfg(feature = "cuda")]
     fn cuda_from_normed(
         &self,
@@ -347,11 +346,7 @@ impl MlpStep {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (y, y_shape) = self.mlp.cuda_fwd(x, xl)?;
         let yl = Layout::contiguous(y_shape);
-        let sum = match super::cuda::add_packs((h, hl), (&y, &yl))? {
-            Some(sum) => sum,
-            None => h.binary_impl::<candle_core::op::Add>(&y, hl, &yl)?,
-        };
-        Ok((sum, hl.shape().clone()))
+        Ok((super::add::cuda_sum(h, hl, &y, &yl)?, hl.shape().clone()))
     }
 
     /// d(h) and d(norm weight) of the step on the residual stream h.
@@ -419,7 +414,7 @@ impl CustomOp3 for MlpStepOnSum {
                 (s, out)
             }
             _ => {
-                let s = h.binary_impl::<candle_core::op::Add>(y, hl, yl)?;
+                let s = super::add::cuda_sum(h, hl, y, yl)?;
                 let out = self.step.cuda_fwd(&s, &sl, w, wl)?;
                 (s, out)
             }
