@@ -27,6 +27,7 @@
 #            --train-memory 45GiB, 16 x 2048 tokens
 #   calib    calibration of the 1.3B DeltaNet and Gated DeltaNet, profiled (STATECUT_PROFILE=1,
 #            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
+#   jit      the JIT experiment of scripts/gpu_bench.sh jit:NAME on the DeltaNet 1.3B, NEW
 #   grad     the Grad selector on the Gated DeltaNet 1.3B (scripts/gpu_bench.sh grad:gdn_1p3b,
 #            128 x 2048 tokens), NEW then OLD: time and peak memory
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
@@ -183,6 +184,13 @@ st_calib() {
   mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
 }
 
+st_jit() {
+  local d=$(bundle $NEW "")
+  bash scripts/gpu_bench.sh $d $1/x jit:delta_net_1p3b > $1/stdout.txt 2>&1
+  grep -vE "^===" $1/stdout.txt
+  mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
+}
+
 st_nograd() {
   for s in "16,2048,16,128,128 none" "16,2048,8,256,256 head"; do
     set -- $s
@@ -208,7 +216,7 @@ st_detail() {
 }
 
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [nograd]=20 [detail]=90)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

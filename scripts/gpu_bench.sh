@@ -30,6 +30,10 @@
 #                         BUNDLE holds statecut_before.xz (another build), for it too, taking turns:
 #                         the profile of 32 x 2048 tokens, then prune's stage times for 128 x 2048
 #                         tokens; logs and stage seconds as calib_{profile,full}_{after,before}_NAME.*
+#   jit:NAME              where a pass's fixed cost goes: candle's own kernels are PTX, which the
+#                         driver compiles when a process first loads them unless its compute cache
+#                         holds them; the profile of 8 x 2048 tokens with the cache off, then cold and
+#                         warm in a fresh cache folder, each with its wall time and stage seconds
 #   stream:NAME           statecut prune resident, then layer-streamed under --max-device-memory
 #                         $BUDGET (default 4GiB): wall time, peak GPU memory, and whether both kept
 #                         the same channels
@@ -111,7 +115,7 @@ for stage in "$@"; do
   name=${stage#*:}
   case $stage in
     eager:*) [ -d "$name" ] || ensure "$name" ;;
-    statecut:*|reference:*|kernels:*|profile:*|calib:*|stream:*|streamonly:*|grad:*|recover:*) ensure "$name" ;;
+    statecut:*|reference:*|kernels:*|profile:*|calib:*|jit:*|stream:*|streamonly:*|grad:*|recover:*) ensure "$name" ;;
     decode:*|bench:*|state:*|passkey:*|speed:*) ensure "$name" pruned ;;
   esac
   echo "=== $stage ($(date +%T))"
@@ -249,6 +253,21 @@ EOF2
         done
       done
       rm -rf $CK/$name-calib ;;
+    jit:*)
+      echo "HOME=${HOME:-unset} CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-unset}; default cache: $(du -sh ${HOME:-/root}/.nv/ComputeCache 2>&1)"
+      for run in off cold warm; do
+        envs="CUDA_CACHE_PATH=/tmp/jit_cache"; [ $run = off ] && envs="CUDA_CACHE_DISABLE=1"
+        [ $run = cold ] && rm -rf /tmp/jit_cache
+        log="$OUT/jit_${run}_$name"; rm -rf $CK/$name-jit
+        t0=$(date +%s.%N)
+        env $envs STATECUT_PROFILE=1 $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 8 \
+          --seqlen 2048 --device cuda --dtype bf16 -q -o $CK/$name-jit > "$log.log" 2>&1
+        echo "jit $run rc $? wall $(awk "BEGIN{print $(date +%s.%N) - $t0}") s, cache $(du -sh /tmp/jit_cache 2>/dev/null | cut -f1)"
+        python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['seconds']))" \
+          $CK/$name-jit/statecut_report.json
+        sed -n '/^stage /,/^total/p' "$log.log" | head -12
+      done
+      rm -rf $CK/$name-jit ;;
     stream:*)
       for mode in resident streamed; do
         flags=""; [ $mode = streamed ] && flags="--max-device-memory ${BUDGET:-4GiB}"
