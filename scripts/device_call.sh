@@ -21,7 +21,7 @@
 #   rec      recovery of the 1.3B DeltaNet and Gated DeltaNet (scripts/gpu_bench.sh recover:NAME,
 #            16 x 2048 tokens, 6 steps, --recompute auto), ROUNDS rounds, the first build of a
 #            round alternating
-#   budget   the same within --train-memory 45GiB
+#   budget   the same within --train-memory 45GiB (REC_MODELS, as gpu_bench.sh stages, narrows both)
 #   fla      fla's chunk_delta_rule beside NEW's recurrence at dk 64 and 128
 #   stepncu  per-kernel GPU time (ncu) of one DeltaNet 1.3B recovery step of NEW within
 #            --train-memory 45GiB, 16 x 2048 tokens
@@ -113,7 +113,7 @@ bundle() {
 recover_round() {
   local d=$1/round$3; mkdir -p $d; rm -rf /tmp/gpu_bench_results
   BEFORE=1 RECOVER_REFERENCE=0 RECOVER_STEPS=6 RECOVER_ARGS="$2" \
-    bash scripts/gpu_bench.sh "$(bundle $4 $5)" $d recover:delta_net_1p3b recover:gdn_1p3b > $d/stdout.txt 2>&1
+    bash scripts/gpu_bench.sh "$(bundle $4 $5)" $d ${REC_MODELS:-recover:delta_net_1p3b recover:gdn_1p3b} > $d/stdout.txt 2>&1
   mkdir -p $d/x; tar xzf $d/results.tgz -C $d/x 2>/dev/null
   python3 - $d $4 $5 <<'PY'
 import glob, json, sys
