@@ -1049,11 +1049,14 @@ fn add_matches_candles_add_bit_for_bit() {
     use statecut::ops::add::{add, grad_sum};
     let dev = gpu();
     let cpu = Device::Cpu;
+    // Every dtype here widens to float64 exactly.
     let bits = |t: &Tensor| {
-        let t = t.to_device(&cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-        t.to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
+        let t = t.to_device(&cpu).unwrap().to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+        t.to_vec1::<f64>().unwrap().into_iter().map(f64::to_bits).collect::<Vec<_>>()
     };
-    for dt in [DType::F32, DType::BF16, DType::F16] {
+    // Float64 has no add_packs kernel: candle's add takes it (the composed per-key-channel
+    // recurrence's gradients are float64 sums).
+    for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
         for n in [8, 1000, 4096 * 3 + 5, 1 << 20] {
             let a = Tensor::randn(0f32, 3.0, n, &cpu).unwrap().to_dtype(dt).unwrap();
             let b = Tensor::randn(0f32, 1e-3, n, &cpu).unwrap().to_dtype(dt).unwrap();
@@ -1072,14 +1075,17 @@ fn add_matches_candles_add_bit_for_bit() {
     }
     // x reaches the loss three ways, so its gradient is a sum of three; each term is a product
     // rounded once, the same bits on either device, and so are the sums.
-    let rand = || Tensor::randn(0f32, 1.0, (512, 384), &cpu).unwrap().to_dtype(DType::BF16).unwrap();
-    let (x, w, v) = (rand(), rand(), rand());
-    let grad_of_x = |d: &Device| {
-        let x = candle_core::Var::from_tensor(&x.to_device(d).unwrap()).unwrap();
-        let (w, v) = (w.to_device(d).unwrap(), v.to_device(d).unwrap());
-        let y = ((x.as_tensor() * &w).unwrap() + x.as_tensor().sqr().unwrap()).unwrap();
-        let loss = (y + (x.as_tensor() * &v).unwrap()).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap();
-        loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
-    };
-    assert_eq!(bits(&grad_of_x(&dev)), bits(&grad_of_x(&cpu).to_device(&dev).unwrap()), "a sum of three gradients");
+    for dt in [DType::BF16, DType::F64] {
+        let rand = || Tensor::randn(0f32, 1.0, (512, 384), &cpu).unwrap().to_dtype(dt).unwrap();
+        let (x, w, v) = (rand(), rand(), rand());
+        let grad_of_x = |d: &Device| {
+            let x = candle_core::Var::from_tensor(&x.to_device(d).unwrap()).unwrap();
+            let (w, v) = (w.to_device(d).unwrap(), v.to_device(d).unwrap());
+            let y = ((x.as_tensor() * &w).unwrap() + x.as_tensor().sqr().unwrap()).unwrap();
+            let loss = (y + (x.as_tensor() * &v).unwrap()).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap();
+            loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
+        };
+        let (on_gpu, on_cpu) = (grad_of_x(&dev), grad_of_x(&cpu));
+        assert_eq!(bits(&on_gpu), bits(&on_cpu), "{dt:?}: a sum of three gradients");
+    }
 }

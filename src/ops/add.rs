@@ -63,8 +63,10 @@ impl CustomOp2 for Add {
     }
 }
 
-/// a + b on the GPU by `add_packs`; strided inputs, or counts and offsets that do not allow 16
-/// bytes a thread, take candle's kernel. Either way each sum is rounded once, as candle rounds it.
+/// a + b on the GPU by `add_packs`; strided inputs, dtypes it has no kernel for (float64: the
+/// composed per-key-channel recurrence sums its gradients in it), or counts and offsets that do
+/// not allow 16 bytes a thread take candle's kernel. Either way each sum is rounded once, as
+/// candle rounds it.
 #[cfg(feature = "cuda")]
 pub(crate) fn cuda_sum(
     a: &candle_core::CudaStorage,
@@ -72,9 +74,11 @@ pub(crate) fn cuda_sum(
     b: &candle_core::CudaStorage,
     bl: &Layout,
 ) -> Result<candle_core::CudaStorage> {
-    let packed = match (al.is_contiguous(), bl.is_contiguous()) {
-        (true, true) => super::cuda::add_packs((a, al), (b, bl))?,
-        _ => None,
+    use candle_core::DType;
+    let packs = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    let packed = match packs && al.is_contiguous() && bl.is_contiguous() {
+        true => super::cuda::add_packs((a, al), (b, bl))?,
+        false => None,
     };
     match packed {
         Some(sum) => Ok(sum),
