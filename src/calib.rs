@@ -108,9 +108,20 @@ impl Reservoir {
 
     /// Copy rows held on a GPU into `rows`.
     pub fn sync(&mut self) -> Result<()> {
-        if let Some(buf) = &self.on_device {
-            self.rows = host_f32(&buf.narrow(0, 0, self.slots())?)?;
+        if let Some(copied) = self.fetch()? {
+            self.land(copied)?;
         }
+        Ok(())
+    }
+
+    /// The rows held on a device, copied to the host as stored, for [`Self::land`].
+    fn fetch(&self) -> Result<Option<HostCopy>> {
+        self.on_device.as_ref().map(|buf| HostCopy::of(&buf.narrow(0, 0, self.slots())?)).transpose()
+    }
+
+    /// Widen a [`Self::fetch`]ed copy into `rows` (float32).
+    fn land(&mut self, copied: HostCopy) -> Result<()> {
+        self.rows = copied.widen()?;
         Ok(())
     }
 
@@ -222,11 +233,19 @@ impl Collector {
             l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b);
             l.input_count += n;
         }
+        // The copies one after another (one stream), then the widening on every core: 48
+        // reservoirs of 2,500 x 2,048 bf16 rows at the 1.3B shapes, about 0.5 GB copied and 1 GB
+        // of float32 written into fresh pages, which one thread took 0.6-1.1 s over.
+        let mut copies = Vec::new();
         for l in self.layers.values_mut() {
-            l.keys.sync()?;
-            l.queries.sync()?;
+            for r in [&mut l.keys, &mut l.queries] {
+                if let Some(c) = r.fetch()? {
+                    copies.push((r, c));
+                }
+            }
         }
-        Ok(())
+        use rayon::prelude::*;
+        copies.into_par_iter().try_for_each(|(r, c)| r.land(c))
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).
@@ -300,6 +319,45 @@ fn offer_rows(
         at += plan.len();
     }
     Ok(())
+}
+
+/// A contiguous tensor's values on the host as stored (its own dtype): the whole buffer behind it,
+/// copied once, and the range it covers. candle's `to_vec1` copies a GPU buffer and then the range
+/// again, and a float32 copy made on the GPU doubles what crosses the bus.
+struct HostCopy {
+    data: candle_core::CpuStorage,
+    range: std::ops::Range<usize>,
+}
+
+impl HostCopy {
+    fn of(x: &Tensor) -> Result<Self> {
+        let (storage, layout) = x.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            anyhow::bail!("calibration rows: the device buffer is not contiguous")
+        };
+        let data = match &*storage {
+            candle_core::Storage::Cpu(s) => s.clone(),
+            candle_core::Storage::Cuda(s) => candle_core::backend::BackendStorage::to_cpu_storage(s)?,
+            candle_core::Storage::Metal(s) => candle_core::backend::BackendStorage::to_cpu_storage(s)?,
+        };
+        Ok(Self { data, range: a..b })
+    }
+
+    /// The values as float32 (exact from bf16 and f16).
+    fn widen(self) -> Result<Vec<f32>> {
+        use candle_core::CpuStorage as C;
+        let r = self.range;
+        Ok(match self.data {
+            C::BF16(v) => v[r].iter().map(|x| f32::from(*x)).collect(),
+            C::F16(v) => v[r].iter().map(|x| f32::from(*x)).collect(),
+            C::F32(v) if r.start == 0 && r.end == v.len() => v,
+            C::F32(v) => v[r].to_vec(),
+            other => anyhow::bail!(
+                "calibration rows: unexpected dtype {:?}",
+                candle_core::backend::BackendStorage::dtype(&other)
+            ),
+        })
+    }
 }
 
 /// The values of `x` as float32 on the host, copied in x's own dtype (half the bytes for bf16
@@ -822,6 +880,20 @@ mod tests {
         dev.sync().unwrap();
         assert_eq!(host.rows, dev.rows);
         assert_eq!(dev.len(), 7);
+    }
+
+    /// A copy of a buffer's leading rows widens to what candle's cast gives, in each dtype.
+    #[test]
+    fn host_copy_widens_like_a_cast() {
+        let x = Tensor::randn(0f32, 2.0, (9, 5), &candle_core::Device::Cpu).unwrap();
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let x = x.to_dtype(dt).unwrap();
+            for rows in [9, 4] {
+                let part = x.narrow(0, 0, rows).unwrap();
+                let want = part.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert_eq!(HostCopy::of(&part).unwrap().widen().unwrap(), want, "{dt:?}, {rows} rows");
+            }
+        }
     }
 
     #[test]
