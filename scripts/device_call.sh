@@ -27,7 +27,8 @@
 #            --train-memory 45GiB, 16 x 2048 tokens
 #   calib    calibration of the 1.3B DeltaNet and Gated DeltaNet, profiled (STATECUT_PROFILE=1,
 #            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
-#   jit      the JIT experiment of scripts/gpu_bench.sh jit:NAME on the DeltaNet 1.3B, NEW
+#   jit      the JIT experiment of scripts/gpu_bench.sh jit:NAME on the DeltaNet 1.3B, for each build
+#            of JIT_BUILDS in turn (default NEW)
 #   grad     the Grad selector on the Gated DeltaNet 1.3B (scripts/gpu_bench.sh grad:gdn_1p3b,
 #            128 x 2048 tokens), NEW then OLD: time and peak memory
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
@@ -185,10 +186,13 @@ st_calib() {
 }
 
 st_jit() {
-  local d=$(bundle $NEW "")
-  bash scripts/gpu_bench.sh $d $1/x jit:delta_net_1p3b > $1/stdout.txt 2>&1
-  grep -vE "^===" $1/stdout.txt
-  mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
+  local i=0
+  for b in ${JIT_BUILDS:-$NEW}; do
+    i=$((i + 1)); echo "== $b"
+    bash scripts/gpu_bench.sh $(bundle $b "") $1/x$i jit:delta_net_1p3b > $1/stdout$i.txt 2>&1
+    grep -vE "^===" $1/stdout$i.txt
+    mkdir -p $1/r$i; tar xzf $1/x$i/results.tgz -C $1/r$i 2>/dev/null; rm -rf $1/x$i
+  done
 }
 
 st_nograd() {

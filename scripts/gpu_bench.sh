@@ -34,6 +34,7 @@
 #                         driver compiles when a process first loads them unless its compute cache
 #                         holds them; the profile of 8 x 2048 tokens with the cache off, then cold and
 #                         warm in a fresh cache folder, each with its wall time and stage seconds
+#                         (JIT_RUNS picks among off, cold, warm and default: the driver's own folder)
 #   stream:NAME           statecut prune resident, then layer-streamed under --max-device-memory
 #                         $BUDGET (default 4GiB): wall time, peak GPU memory, and whether both kept
 #                         the same channels
@@ -255,8 +256,9 @@ EOF2
       rm -rf $CK/$name-calib ;;
     jit:*)
       echo "HOME=${HOME:-unset} CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-unset}; default cache: $(du -sh ${HOME:-/root}/.nv/ComputeCache 2>&1)"
-      for run in off cold warm; do
+      for run in ${JIT_RUNS:-off cold warm}; do
         envs="CUDA_CACHE_PATH=/tmp/jit_cache"; [ $run = off ] && envs="CUDA_CACHE_DISABLE=1"
+        [ $run = default ] && envs=""  # the driver's own cache folder
         [ $run = cold ] && rm -rf /tmp/jit_cache
         log="$OUT/jit_${run}_$name"; rm -rf $CK/$name-jit
         t0=$(date +%s.%N)
