@@ -6,6 +6,7 @@ use crate::arch::{LayerState, Observer, StateLayout};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 /// A uniform sample of at most `cap` rows of width `width` (Vitter's algorithm R).
@@ -103,14 +104,6 @@ impl Reservoir {
         let buf = self.on_device.take().expect("allocated above");
         let both = Tensor::cat(&[&buf, &rows.to_dtype(buf.dtype())?], 0)?;
         self.on_device = Some(both.index_select(&Tensor::from_vec(from, self.cap, dev)?, 0)?);
-        Ok(())
-    }
-
-    /// Copy rows held on a GPU into `rows`.
-    pub fn sync(&mut self) -> Result<()> {
-        if let Some(copied) = self.fetch()? {
-            self.land(copied)?;
-        }
         Ok(())
     }
 
@@ -244,7 +237,6 @@ impl Collector {
                 }
             }
         }
-        use rayon::prelude::*;
         copies.into_par_iter().try_for_each(|(r, c)| r.land(c))
     }
 
@@ -312,7 +304,7 @@ fn offer_rows(
     if !x.device().is_cpu() {
         return res.place_on_device(&plans.concat(), &picked);
     }
-    let rows = host_f32(&picked)?;
+    let rows = HostCopy::of(&picked)?.widen()?;
     let mut at = 0;
     for plan in &plans {
         res.place(plan, &rows[at * w..(at + plan.len()) * w]);
@@ -343,7 +335,7 @@ impl HostCopy {
         Ok(Self { data, range: a..b })
     }
 
-    /// The values as float32 (exact from bf16 and f16).
+    /// The values as float32 (exact from bf16 and f16; float64 rounded as candle's cast rounds it).
     fn widen(self) -> Result<Vec<f32>> {
         use candle_core::CpuStorage as C;
         let r = self.range;
@@ -352,23 +344,13 @@ impl HostCopy {
             C::F16(v) => v[r].iter().map(|x| f32::from(*x)).collect(),
             C::F32(v) if r.start == 0 && r.end == v.len() => v,
             C::F32(v) => v[r].to_vec(),
+            C::F64(v) => v[r].iter().map(|x| *x as f32).collect(),
             other => anyhow::bail!(
                 "calibration rows: unexpected dtype {:?}",
                 candle_core::backend::BackendStorage::dtype(&other)
             ),
         })
     }
-}
-
-/// The values of `x` as float32 on the host, copied in x's own dtype (half the bytes for bf16
-/// activations) and widened on the host, which is exact.
-fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
-    let x = x.flatten_all()?;
-    Ok(match x.dtype() {
-        DType::BF16 => x.to_vec1::<half::bf16>()?.into_iter().map(f32::from).collect(),
-        DType::F16 => x.to_vec1::<half::f16>()?.into_iter().map(f32::from).collect(),
-        _ => x.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-    })
 }
 
 impl Observer for Collector {
@@ -877,7 +859,8 @@ mod tests {
             dev.place_on_device(&plan2, &t).unwrap();
         }
         assert!(host.plan(0, &mut r1).is_empty());
-        dev.sync().unwrap();
+        let copied = dev.fetch().unwrap().expect("rows on the device buffer");
+        dev.land(copied).unwrap();
         assert_eq!(host.rows, dev.rows);
         assert_eq!(dev.len(), 7);
     }
@@ -886,7 +869,7 @@ mod tests {
     #[test]
     fn host_copy_widens_like_a_cast() {
         let x = Tensor::randn(0f32, 2.0, (9, 5), &candle_core::Device::Cpu).unwrap();
-        for dt in [DType::F32, DType::BF16, DType::F16] {
+        for dt in [DType::F32, DType::BF16, DType::F16, DType::F64] {
             let x = x.to_dtype(dt).unwrap();
             for rows in [9, 4] {
                 let part = x.narrow(0, 0, rows).unwrap();

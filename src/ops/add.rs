@@ -74,9 +74,7 @@ pub(crate) fn cuda_sum(
     b: &candle_core::CudaStorage,
     bl: &Layout,
 ) -> Result<candle_core::CudaStorage> {
-    use candle_core::DType;
-    let packs = matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16);
-    let packed = match packs && al.is_contiguous() && bl.is_contiguous() {
+    let packed = match al.is_contiguous() && bl.is_contiguous() {
         true => super::cuda::add_packs((a, al), (b, bl))?,
         false => None,
     };

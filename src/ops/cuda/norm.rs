@@ -244,13 +244,16 @@ fn add_rms_launch(
 }
 
 /// `add_packs` in norm.cu: a + b for contiguous a and b of one dtype and element count, each sum
-/// rounded once as candle's add rounds it; `None` where the count or an offset does not allow
-/// 16 bytes a thread.
+/// rounded once as candle's add rounds it; `None` where the dtype has no kernel (float64, the
+/// integers) or the count or an offset does not allow 16 bytes a thread.
 pub fn add_packs((a, al): (&CudaStorage, &Layout), (b, bl): (&CudaStorage, &Layout)) -> Result<Option<CudaStorage>> {
     let dev = a.device().clone();
     let count = al.shape().elem_count();
     if bl.shape().elem_count() != count || a.dtype() != b.dtype() {
         candle_core::bail!("residual add: {:?} {:?} and {:?} {:?}", al.shape(), a.dtype(), bl.shape(), b.dtype());
+    }
+    if !matches!(a.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Ok(None);
     }
     macro_rules! launch {
         ($ty:ty, $name:expr) => {{
