@@ -33,6 +33,8 @@
 #            128 x 2048 tokens), NEW then OLD: time and peak memory
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
 #            kernels, at the unpruned teachers' shapes (B = 16, T = 2048)
+#   blocks   the fused recurrence's forward in each block shape of the launcher (warps a block,
+#            state columns a thread) at the teachers' and calibration's shapes
 #   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
 #            the pruned DeltaNet's shape: the details page as text, the per-instruction source
 #            page (SASS, stall samples) as xz'd CSV
@@ -204,6 +206,27 @@ for l in sys.stdin: r=json.loads(l); print(r.get("form"), r["b"], r["h"], r["dk"
   done
 }
 
+# The fused recurrence's forward in each block shape (STATECUT_RECURRENCE_BLOCK; "auto" is the
+# launcher's pick) at the teachers' and calibration's shapes, NEW then OLD ("auto" only), ROUNDS
+# rounds.
+st_blocks() {
+  local d=$1
+  for r in $(seq $ROUNDS); do
+    for s in "16,2048,16,128,128 none" "8,2048,16,128,128 none" "16,2048,16,64,128 none" \
+             "16,2048,8,256,256 head" "8,2048,8,256,256 head"; do
+      set -- $s
+      for blk in auto 8,1 8,2 4,1 4,2 old; do
+        b=$NEW; envs=""
+        [ $blk = old ] && { [ -n "$OLD" ] && [ -x /tmp/bins/$OLD/recurrence ] || continue; b=$OLD; }
+        case $blk in auto|old) ;; *) envs="STATECUT_RECURRENCE_BLOCK=$blk" ;; esac
+        env $envs /tmp/bins/$b/recurrence --shape $1 --decay $2 --iterations 7 --forms fused 2>>$d/blocks.log |
+          sed "s/^{/{\"block\":\"$blk\",/" | tee -a $d/blocks.jsonl | python3 -c 'import json,sys
+for l in sys.stdin: r=json.loads(l); print(r["block"], r["b"], r["h"], r["dk"], r["dv"], r["decay"], r["pass"], round(r["ms"],3))'
+      done
+    done
+  done
+}
+
 st_detail() {
   for k in chunk_walk_fwd_tc_k64 chunk_intra_fwd_tc chunk_out_fwd_tc chunk_walk_bwd_tc_k64 chunk_intra_bwd_tc chunk_out_bwd_tc; do
     timeout 120 $NCU --clock-control none --set full --import-source yes -k $k --launch-count 1 -f -o $W/$k \
@@ -220,7 +243,7 @@ st_detail() {
 }
 
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

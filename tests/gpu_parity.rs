@@ -15,6 +15,7 @@ use statecut::calib::{CalibSettings, Calibration};
 use statecut::checkpoint::Checkpoint;
 use statecut::graph_decode::GraphDecoder;
 use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
+use statecut::ops::fused_block::with_fused_block;
 
 /// The device as `--device cuda` opens it, gradients summed as the binary sums them.
 fn gpu() -> Device {
@@ -246,9 +247,9 @@ fn qwen3_5_gpu_matches_cpu() {
 }
 
 /// Every CUDA recurrence instance (tiled for 16/24/32 rows per thread and 1..32 threads per
-/// column, the general kernel otherwise), with no / per-step / per-channel decay, both rules,
-/// one step and many (crossing the staged chunks), from a given state: outputs and final state
-/// against the CPU's sequential kernel.
+/// column, in each block shape it has, the general kernel otherwise), with no / per-step /
+/// per-channel decay, both rules, one step and many (crossing the staged chunks), from a given
+/// state: outputs and final state against the CPU's sequential kernel.
 #[test]
 fn recurrence_kernels_match_cpu_on_random_shapes() {
     let gpu = gpu();
@@ -306,10 +307,19 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                     };
                     let run = |dev: &Device, kernel: Kernel| run_as(dev, kernel, (&q, &k, &v), DType::F32);
                     let (o_ref, s_ref) = run(&cpu, Kernel::Sequential);
+                    let what = format!("dk {dk} dv {dv} T {t} decay {decay} {rule:?}");
+                    // The launcher's block, then each block shape the tiled kernel has.
                     let (o, s) = run(&gpu, Kernel::Fused);
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
-                    let what = format!("dk {dk} dv {dv} T {t} decay {decay} {rule:?}");
                     assert!(eo < 1e-5 && es < 1e-5, "{what}: outputs differ by {eo:.3e}, state by {es:.3e}");
+                    for block in [(8, 1), (8, 2), (4, 1), (4, 2)] {
+                        let (o, s) = with_fused_block(block, || run(&gpu, Kernel::Fused));
+                        let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
+                        assert!(
+                            eo < 1e-5 && es < 1e-5,
+                            "{what} fused in blocks {block:?}: outputs differ by {eo:.3e}, state by {es:.3e}"
+                        );
+                    }
                     // the chunked form (the Grad selector's) on the GPU, per-channel decays included
                     let (o, s) = run(&gpu, Kernel::Chunked);
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));

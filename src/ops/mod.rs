@@ -16,6 +16,7 @@ pub mod decode;
 pub mod delta_rule;
 pub mod derived;
 pub mod distill;
+pub mod fused_block;
 #[cfg(test)]
 mod host_kernels;
 mod launch;

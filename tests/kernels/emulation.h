@@ -21,7 +21,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__
 #define STATECUT_EMULATED 1
 

@@ -151,9 +151,13 @@ REC(32)
 // (g R + r) 4 + c, which makes its q/k/gk values of a step ROWS/4 aligned float4 loads from
 // consecutive addresses across the R threads. Inputs are staged with cp.async into two shared
 // buffers: the next chunk of steps is in flight while the current one is computed.
+// A thread holds those rows of COLS state columns, lc + m · (columns a block holds per round),
+// and applies each q/k value it reads from shared memory to all of them: a step reads 2 · ROWS
+// floats a thread from shared memory whatever its columns, so COLS columns read 1/COLS as much a
+// column, at COLS · ROWS registers of state.
 // Inputs as for `recurrence`. Staged step: q[dk] | k[dk] | gk[dk] (DECAY 2) | v[cols] | beta | g,
 // padded to 4 floats.
-template <int ROWS, int R, int DECAY>
+template <int ROWS, int R, int DECAY, int COLS>
 __device__ void recurrence_tiled(const float *__restrict__ q, const float *__restrict__ k,
                                  const float *__restrict__ v, const float *__restrict__ beta,
                                  const float *__restrict__ g, const float *__restrict__ gk,
@@ -163,22 +167,30 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
   constexpr bool GK = DECAY == 2;
   constexpr int GKB = 2 * DK, VB = GK ? 3 * DK : 2 * DK;
   extern __shared__ __align__(16) float stage[];
-  const int nw = blockDim.x >> 5, cols = nw * CPW;
+  const int nw = blockDim.x >> 5, round = nw * CPW, cols = round * COLS;
   const int SB = VB + cols, W = (SB + 2 + 3) & ~3;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = lane % R;
   const int lc = warp * CPW + lane / R;
-  const int col0 = blockIdx.x * cols, col = col0 + lc;
-  const bool valid = col < dv;
+  const int col0 = blockIdx.x * cols;
+  int col[COLS];
+  bool valid[COLS];
+#pragma unroll
+  for (int m = 0; m < COLS; m++) {
+    col[m] = col0 + m * round + lc;
+    valid[m] = col[m] < dv;
+  }
   const int bh = blockIdx.y, b = bh / H, h = bh % H;
 
-  float s[ROWS];
+  float s[COLS][ROWS];
   const float *init = s0 + (int64_t)bh * DK * dv;
 #pragma unroll
-  for (int g = 0; g < G; g++)
+  for (int m = 0; m < COLS; m++)
 #pragma unroll
-    for (int c = 0; c < 4; c++)
-      s[4 * g + c] = valid ? init[(int64_t)((g * R + r) * 4 + c) * dv + col] : 0.0f;
+    for (int g = 0; g < G; g++)
+#pragma unroll
+      for (int c = 0; c < 4; c++)
+        s[m][4 * g + c] = valid[m] ? init[(int64_t)((g * R + r) * 4 + c) * dv + col[m]] : 0.0f;
 
   // Start copying steps [t0, t0 + n) into buf: one warp per step, consecutive lanes on
   // consecutive floats.
@@ -227,10 +239,12 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
     for (int st = 0; st < n; st++) {
       const float *xs = cur + st * W;
       const float beta = xs[SB];
-      const float v = xs[VB + lc];
       const float a = DECAY >= 1 ? expf(xs[SB + 1]) : 1.0f;
       float kk[ROWS];
-      float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four partial sums: chains of G, not ROWS
+      // Four partial sums a column: chains of G, not ROWS.
+      float p[COLS][4];
+#pragma unroll
+      for (int m = 0; m < COLS; m++) p[m][0] = p[m][1] = p[m][2] = p[m][3] = 0.0f;
 #pragma unroll
       for (int g = 0; g < G; g++) {
         const int o = (g * R + r) * 4;
@@ -239,62 +253,92 @@ __device__ void recurrence_tiled(const float *__restrict__ q, const float *__res
         kk[4 * g + 1] = k4.y;
         kk[4 * g + 2] = k4.z;
         kk[4 * g + 3] = k4.w;
+        float e[4] = {a, a, a, a};
         if (GK) {
-          const float4 e = *reinterpret_cast<const float4 *>(xs + GKB + o);
-          s[4 * g] *= a * expf(e.x);
-          s[4 * g + 1] *= a * expf(e.y);
-          s[4 * g + 2] *= a * expf(e.z);
-          s[4 * g + 3] *= a * expf(e.w);
-        } else if (DECAY == 1) {
-#pragma unroll
-          for (int c4 = 0; c4 < 4; c4++) s[4 * g + c4] *= a;
+          const float4 e4 = *reinterpret_cast<const float4 *>(xs + GKB + o);
+          e[0] = a * expf(e4.x);
+          e[1] = a * expf(e4.y);
+          e[2] = a * expf(e4.z);
+          e[3] = a * expf(e4.w);
         }
 #pragma unroll
-        for (int c4 = 0; c4 < 4; c4++) p[c4] = fmaf(s[4 * g + c4], kk[4 * g + c4], p[c4]);
-      }
-      float pred = (p[0] + p[1]) + (p[2] + p[3]);
+        for (int m = 0; m < COLS; m++)
 #pragma unroll
-      for (int off = 1; off < R; off <<= 1) pred += __shfl_xor_sync(0xffffffffu, pred, off);
-      const float u = delta ? beta * (v - pred) : beta * v;
-      p[0] = p[1] = p[2] = p[3] = 0.0f;
+          for (int c4 = 0; c4 < 4; c4++) {
+            if (DECAY >= 1) s[m][4 * g + c4] *= e[c4];
+            p[m][c4] = fmaf(s[m][4 * g + c4], kk[4 * g + c4], p[m][c4]);
+          }
+      }
+      float u[COLS];
+#pragma unroll
+      for (int m = 0; m < COLS; m++) u[m] = (p[m][0] + p[m][1]) + (p[m][2] + p[m][3]);
+#pragma unroll
+      for (int off = 1; off < R; off <<= 1)
+#pragma unroll
+        for (int m = 0; m < COLS; m++) u[m] += __shfl_xor_sync(0xffffffffu, u[m], off);
+#pragma unroll
+      for (int m = 0; m < COLS; m++) {
+        const float vm = xs[VB + m * round + lc];
+        u[m] = delta ? beta * (vm - u[m]) : beta * vm;
+        p[m][0] = p[m][1] = p[m][2] = p[m][3] = 0.0f;
+      }
 #pragma unroll
       for (int g = 0; g < G; g++) {
         const float4 q4 = *reinterpret_cast<const float4 *>(xs + (g * R + r) * 4);
         const float qq[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
-        for (int c4 = 0; c4 < 4; c4++) {
-          s[4 * g + c4] = fmaf(kk[4 * g + c4], u, s[4 * g + c4]);
-          p[c4] = fmaf(s[4 * g + c4], qq[c4], p[c4]);
-        }
-      }
-      float acc = (p[0] + p[1]) + (p[2] + p[3]);
+        for (int m = 0; m < COLS; m++)
 #pragma unroll
-      for (int off = 1; off < R; off <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (r == 0 && valid) out[(((int64_t)b * T + t0 + st) * H + h) * dv + col] = scale * acc;
+          for (int c4 = 0; c4 < 4; c4++) {
+            s[m][4 * g + c4] = fmaf(kk[4 * g + c4], u[m], s[m][4 * g + c4]);
+            p[m][c4] = fmaf(s[m][4 * g + c4], qq[c4], p[m][c4]);
+          }
+      }
+      float acc[COLS];
+#pragma unroll
+      for (int m = 0; m < COLS; m++) acc[m] = (p[m][0] + p[m][1]) + (p[m][2] + p[m][3]);
+#pragma unroll
+      for (int off = 1; off < R; off <<= 1)
+#pragma unroll
+        for (int m = 0; m < COLS; m++) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+      if (r == 0) {
+        float *o = out + (((int64_t)b * T + t0 + st) * H + h) * dv;
+#pragma unroll
+        for (int m = 0; m < COLS; m++)
+          if (valid[m]) o[col[m]] = scale * acc[m];
+      }
     }
     __syncthreads();  // chunk c is consumed before its buffer is refilled
   }
   float *state = state_out + (int64_t)bh * DK * dv;
-  if (valid) {
 #pragma unroll
-    for (int g = 0; g < G; g++)
+  for (int m = 0; m < COLS; m++)
+    if (valid[m]) {
 #pragma unroll
-      for (int c = 0; c < 4; c++) state[(int64_t)((g * R + r) * 4 + c) * dv + col] = s[4 * g + c];
-  }
+      for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) state[(int64_t)((g * R + r) * 4 + c) * dv + col[m]] = s[m][4 * g + c];
+    }
 }
 
-// recurrence_t{ROWS}_{R}_{DECAY}
-#define TILED1(ROWS, R, DECAY)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) recurrence_t##ROWS##_##R##_##DECAY(             \
+// recurrence_t{ROWS}_{R}_{DECAY}, and recurrence_t{ROWS}_{R}_{DECAY}_c2 with two columns a thread
+// (recurrence.rs picks the form).
+#define TILED1(ROWS, R, DECAY, COLS, SUFFIX)                                                        \
+  extern "C" __global__ void __launch_bounds__(256) recurrence_t##ROWS##_##R##_##DECAY##SUFFIX(     \
       const float *q, const float *k, const float *v, const float *beta, const float *g,           \
       const float *gk, const float *s0, float *out, float *state_out, int B, int T, int H, int dv,   \
       int delta, float scale, int tc) {                                                             \
-    recurrence_tiled<ROWS, R, DECAY>(q, k, v, beta, g, gk, s0, out, state_out, B, T, H, dv, delta,  \
-                                     scale, tc);                                                    \
+    recurrence_tiled<ROWS, R, DECAY, COLS>(q, k, v, beta, g, gk, s0, out, state_out, B, T, H, dv,   \
+                                           delta, scale, tc);                                       \
   }
-#define TILED_R(ROWS, R) TILED1(ROWS, R, 0) TILED1(ROWS, R, 1) TILED1(ROWS, R, 2)
-#define TILED(ROWS) \
-  TILED_R(ROWS, 1) TILED_R(ROWS, 2) TILED_R(ROWS, 4) TILED_R(ROWS, 8) TILED_R(ROWS, 16) TILED_R(ROWS, 32)
+#define TILED_D(ROWS, R, COLS, SUFFIX) \
+  TILED1(ROWS, R, 0, COLS, SUFFIX) TILED1(ROWS, R, 1, COLS, SUFFIX) TILED1(ROWS, R, 2, COLS, SUFFIX)
+// Two columns a thread where R ≤ 8 (dk up to 256): wider keys are rare, and their blocks have
+// few columns.
+#define TILED_R(ROWS, R) TILED_D(ROWS, R, 1, )
+#define TILED_RC(ROWS, R) TILED_D(ROWS, R, 1, ) TILED_D(ROWS, R, 2, _c2)
+#define TILED(ROWS)                                                                                  \
+  TILED_RC(ROWS, 1) TILED_RC(ROWS, 2) TILED_RC(ROWS, 4) TILED_RC(ROWS, 8) TILED_R(ROWS, 16) TILED_R(ROWS, 32)
 TILED(16)
 TILED(24)
 TILED(32)

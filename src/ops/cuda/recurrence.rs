@@ -1,6 +1,7 @@
 //! Launcher of the sequential recurrence (`recurrence.cu`).
 
 use super::{function, view};
+use crate::ops::fused_block::{self, Block};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -56,23 +57,23 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
     let state_out = if in_place { s0.slice(..) } else { out.slice(n_o..) };
-    // 8 warps: every block stages all of q and k for its columns, so wide blocks read less.
-    let warps = 8;
-    let cols_per_block = warps * (32 / r);
+    // The tiled kernel when the rows split exactly into float4 groups it has an instance for
+    // (every common head width), else the general one.
+    let tiled = r * rows == d.dk && matches!(rows, 16 | 24 | 32);
+    let Block { warps, cols } = if tiled { fused_block::chosen(d.dv, r)? } else { Block { warps: 8, cols: 1 } };
+    let cols_per_block = warps * (32 / r) * cols;
     let gk_width = if has_gk { d.dk } else { 0 };
     let stream = dev.cuda_stream();
     let grid_dim = (d.dv.div_ceil(cols_per_block) as u32, (d.b * d.h) as u32, 1);
     let block_dim = (32 * warps as u32, 1, 1);
     let scale = d.scale;
-    // The tiled kernel when the rows split exactly into float4 groups it has an instance for
-    // (every common head width), else the general one.
-    let tiled = r * rows == d.dk && matches!(rows, 16 | 24 | 32);
     let (func, ints, tc, smem) = if tiled {
         // Two buffers of `tc` padded steps (see `recurrence_tiled`) in the default 48 KiB.
         let step_bytes = 4 * (2 * d.dk + gk_width + cols_per_block + 2).div_ceil(4) * 4;
         let tc = (24 * 1024 / step_bytes).clamp(1, 32);
         let decay = if has_gk { 2 } else { gated as u8 };
-        let func = function(&dev, &format!("recurrence_t{rows}_{r}_{decay}"))?;
+        let suffix = if cols > 1 { format!("_c{cols}") } else { String::new() };
+        let func = function(&dev, &format!("recurrence_t{rows}_{r}_{decay}{suffix}"))?;
         (func, vec![d.b, d.t, d.h, d.dv, d.delta as usize], tc, 2 * tc * step_bytes)
     } else {
         let maxr = [8, 16, 32].into_iter().find(|&m| rows <= m).unwrap_or(32);

@@ -1,0 +1,100 @@
+//! The block of the fused (sequential) GPU recurrence (`recurrence_tiled` in
+//! src/ops/cuda/recurrence.cu): its warps, and the state columns each thread holds.
+//!
+//! A thread reads a step's q and k from shared memory once for all its columns, and those reads
+//! bound the kernel: two columns a thread read half as much a column, at twice the registers of
+//! state. Measured on an H100 (docs/BENCHMARKS.md, "The fused recurrence with two state columns
+//! a thread"), two columns took a quarter off the forward at dk 256 and an eighth at dk 128 with
+//! 16 sequences, and matched one column at dk 128 with 8; four columns, and blocks of 4 warps,
+//! were slower or no faster at every shape timed. So blocks have 8 warps, and their threads two
+//! columns where the block's columns are no more than dv (and the kernel has that form: r ≤ 8
+//! threads a column, keys up to 256 wide), else one.
+
+use candle_core::Result;
+use std::cell::Cell;
+use std::sync::OnceLock;
+
+/// Warps a block and state columns a thread.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Block {
+    pub warps: usize,
+    pub cols: usize,
+}
+
+thread_local! {
+    static SCOPED: Cell<Option<Block>> = const { Cell::new(None) };
+}
+
+/// Run `f` with every fused GPU recurrence this thread launches in blocks of `warps` warps (8
+/// or 4) whose threads hold `cols` state columns each (1 or 2), where the kernel has that form,
+/// instead of the block [`chosen`] picks: for checking each form.
+pub fn with_fused_block<R>((warps, cols): (usize, usize), f: impl FnOnce() -> R) -> R {
+    let before = SCOPED.with(|c| c.replace(Some(Block { warps, cols })));
+    let out = f();
+    SCOPED.with(|c| c.set(before));
+    out
+}
+
+/// The block for `dv` value columns and `r` threads a column: [`with_fused_block`]'s on this
+/// thread, else `STATECUT_RECURRENCE_BLOCK` = "W,C" (for timing the forms), else [`pick`]'s.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn chosen(dv: usize, r: usize) -> Result<Block> {
+    let Some(b) = SCOPED.with(|c| c.get()).or_else(from_env) else {
+        return Ok(pick(dv, r));
+    };
+    if !matches!(b.warps, 8 | 4) || !matches!(b.cols, 1 | 2) {
+        candle_core::bail!("recurrence: no block of {} warps with {} columns a thread", b.warps, b.cols);
+    }
+    Ok(Block { cols: if r <= 8 { b.cols } else { 1 }, ..b })
+}
+
+/// The block the launcher picks (see the module's comment).
+fn pick(dv: usize, r: usize) -> Block {
+    let fills = 8 * (32 / r) * 2 <= dv.next_multiple_of(32 / r);
+    Block { warps: 8, cols: if r <= 8 && fills { 2 } else { 1 } }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn from_env() -> Option<Block> {
+    static BLOCK: OnceLock<Option<Block>> = OnceLock::new();
+    *BLOCK.get_or_init(|| {
+        let v = std::env::var("STATECUT_RECURRENCE_BLOCK").ok()?;
+        let (w, c) = v.split_once(',')?;
+        Some(Block { warps: w.trim().parse().ok()?, cols: c.trim().parse().ok()? })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_columns_a_thread_where_the_block_fills_dv() {
+        let pick = |dk: usize, dv| pick(dv, dk.div_ceil(32).next_power_of_two());
+        let two = Block { warps: 8, cols: 2 };
+        let one = Block { warps: 8, cols: 1 };
+        // DeltaNet's 128 x 128 heads: 8 warps of 8 columns (four threads each), two a thread.
+        assert_eq!(pick(128, 128), two);
+        // Gated DeltaNet's 256 x 256, and pruned to 128 x 256.
+        assert_eq!(pick(256, 256), two);
+        assert_eq!(pick(128, 256), two);
+        // Pruned DeltaNet (dk 64, two threads a column): two columns would leave half the
+        // block's 256 without a column.
+        assert_eq!(pick(64, 128), one);
+        // dv 80 at dk 128: the block's 128 columns are past 80.
+        assert_eq!(pick(128, 80), one);
+        // Keys wider than 256 have the one form.
+        assert_eq!(pick(512, 1024), one);
+    }
+
+    #[test]
+    fn a_scoped_block_overrides_the_pick_and_unknown_ones_are_refused() {
+        assert_eq!(with_fused_block((4, 2), || chosen(128, 4)).unwrap(), Block { warps: 4, cols: 2 });
+        // Keys wider than 256 have no two-column form: the scoped block keeps its warps.
+        assert_eq!(with_fused_block((4, 2), || chosen(128, 16)).unwrap(), Block { warps: 4, cols: 1 });
+        assert!(with_fused_block((8, 4), || chosen(128, 4)).is_err());
+        assert!(with_fused_block((16, 1), || chosen(128, 4)).is_err());
+        // The scope ends with `f`.
+        assert_eq!(chosen(128, 128usize.div_ceil(32)).unwrap().warps, 8);
+    }
+}
