@@ -34,7 +34,8 @@
 #   nograd   the recurrence's forward without gradients, the fused kernel against the chunk
 #            kernels, at the unpruned teachers' shapes (B = 16, T = 2048)
 #   blocks   the fused recurrence's forward in each block shape of the launcher (warps a block,
-#            state columns a thread) at the teachers' and calibration's shapes
+#            state columns a thread; r16: 16 key rows a thread) at the teachers' and calibration's
+#            shapes
 #   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
 #            the pruned DeltaNet's shape: the details page as text, the per-instruction source
 #            page (SASS, stall samples) as xz'd CSV
@@ -215,10 +216,11 @@ st_blocks() {
     for s in "16,2048,16,128,128 none" "8,2048,16,128,128 none" "16,2048,16,64,128 none" \
              "16,2048,8,256,256 head" "8,2048,8,256,256 head"; do
       set -- $s
-      for blk in auto 8,1 8,2 4,1 4,2 old; do
+      for blk in auto 8,1 8,2 4,1 4,2 r16:8,1 r16:8,2 old; do
         b=$NEW; envs=""
         [ $blk = old ] && { [ -n "$OLD" ] && [ -x /tmp/bins/$OLD/recurrence ] || continue; b=$OLD; }
-        case $blk in auto|old) ;; *) envs="STATECUT_RECURRENCE_BLOCK=$blk" ;; esac
+        case $blk in auto|old) ;; r16:*) envs="STATECUT_RECURRENCE_ROWS=16 STATECUT_RECURRENCE_BLOCK=${blk#r16:}" ;;
+          *) envs="STATECUT_RECURRENCE_BLOCK=$blk" ;; esac
         env $envs /tmp/bins/$b/recurrence --shape $1 --decay $2 --iterations 7 --forms fused 2>>$d/blocks.log |
           sed "s/^{/{\"block\":\"$blk\",/" | tee -a $d/blocks.jsonl | python3 -c 'import json,sys
 for l in sys.stdin: r=json.loads(l); print(r["block"], r["b"], r["h"], r["dk"], r["dv"], r["decay"], r["pass"], round(r["ms"],3))'

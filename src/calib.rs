@@ -109,7 +109,13 @@ impl Reservoir {
 
     /// The rows held on a device, copied to the host as stored, for [`Self::land`].
     fn fetch(&self) -> Result<Option<HostCopy>> {
-        self.on_device.as_ref().map(|buf| HostCopy::of(&buf.narrow(0, 0, self.slots())?)).transpose()
+        self.on_device.as_ref().map(|_| HostCopy::of(&self.device_rows()?)).transpose()
+    }
+
+    /// The filled rows of the device buffer (a contiguous view of its leading rows).
+    fn device_rows(&self) -> Result<Tensor> {
+        let buf = self.on_device.as_ref().ok_or_else(|| anyhow::anyhow!("no rows on a device"))?;
+        Ok(buf.narrow(0, 0, self.slots())?)
     }
 
     /// Widen a [`Self::fetch`]ed copy into `rows` (float32).
@@ -226,18 +232,21 @@ impl Collector {
             l.input_sq.iter_mut().zip(sq).for_each(|(a, b)| *a += b);
             l.input_count += n;
         }
-        // The copies one after another (one stream), then the widening on every core: 48
-        // reservoirs of 2,500 x 2,048 bf16 rows at the 1.3B shapes, about 0.5 GB copied and 1 GB
-        // of float32 written into fresh pages, which one thread took 0.6-1.1 s over.
-        let mut copies = Vec::new();
+        // 48 reservoirs of 2,500 x 2,048 bf16 rows at the 1.3B shapes: about 0.5 GB copied and
+        // 1 GB of float32 written into fresh pages, which one thread took 0.6-1.1 s over. On a
+        // GPU through page-locked staging, each buffer widened on every core while the next
+        // copies; else the copies one after another, then the widening on every core.
+        let mut held: Vec<&mut Reservoir> = Vec::new();
         for l in self.layers.values_mut() {
-            for r in [&mut l.keys, &mut l.queries] {
-                if let Some(c) = r.fetch()? {
-                    copies.push((r, c));
-                }
-            }
+            held.extend([&mut l.keys, &mut l.queries].into_iter().filter(|r| r.on_device.is_some()));
         }
-        copies.into_par_iter().try_for_each(|(r, c)| r.land(c))
+        let bufs = held.iter().map(|r| r.device_rows()).collect::<Result<Vec<_>>>()?;
+        if let Some(rows) = crate::ops::gpu_to_host_f32(&bufs)? {
+            held.into_iter().zip(rows).for_each(|(r, rows)| r.rows = rows);
+            return Ok(());
+        }
+        let copies = held.into_iter().map(|r| Ok((r.fetch()?, r))).collect::<Result<Vec<_>>>()?;
+        copies.into_par_iter().try_for_each(|(c, r)| c.map_or(Ok(()), |c| r.land(c)))
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).

@@ -1099,3 +1099,29 @@ fn add_matches_candles_add_bit_for_bit() {
         assert_eq!(bits(&on_gpu), bits(&on_cpu), "{dt:?}: a sum of three gradients");
     }
 }
+
+/// Calibration's copy of GPU buffers to the host through page-locked staging (buffers of
+/// different lengths taking turns in two staging buffers, leading-row views among them) equals
+/// candle's cast to float32 and copy, bit for bit, in each dtype; mixed dtypes are left to the
+/// caller.
+#[test]
+fn rows_to_host_match_candles_copy() {
+    let gpu = gpu();
+    for dt in [DType::BF16, DType::F16, DType::F32] {
+        let bufs: Vec<Tensor> = [(2500, 96), (7, 96), (1300, 40), (1, 1)]
+            .iter()
+            .map(|&(r, w)| {
+                Tensor::randn(0f32, 3f32, (r + 5, w), &gpu).unwrap().to_dtype(dt).unwrap().narrow(0, 0, r).unwrap()
+            })
+            .collect();
+        let got = statecut::ops::gpu_to_host_f32(&bufs).unwrap().expect("GPU buffers of one dtype");
+        assert_eq!(got.len(), bufs.len());
+        for (g, b) in got.iter().zip(&bufs) {
+            let want = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(g.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()) && g.len() == want.len(), "{dt:?}");
+        }
+    }
+    let mixed = [Tensor::zeros(4, DType::BF16, &gpu).unwrap(), Tensor::zeros(4, DType::F32, &gpu).unwrap()];
+    assert!(statecut::ops::gpu_to_host_f32(&mixed).unwrap().is_none());
+    assert!(statecut::ops::gpu_to_host_f32(&[Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()]).unwrap().is_none());
+}

@@ -241,6 +241,33 @@ pub(crate) fn copy_gpu(t: &Tensor, what: &str) -> Result<(candle_core::CudaStora
     on_gpu(t, what, |s, l| Ok((s.try_clone(l)?, l.shape().clone())))
 }
 
+/// Contiguous GPU tensors' values as float32 on the host, each in one copy through page-locked
+/// staging, widened on every core while the next copies (see `cuda::to_host_f32`); `None` where
+/// they are not all on a GPU (or not all of one dtype), for the caller's own copy.
+pub fn gpu_to_host_f32(xs: &[Tensor]) -> Result<Option<Vec<Vec<f32>>>> {
+    #[cfg(feature = "cuda")]
+    {
+        let same = xs.windows(2).all(|w| w[0].dtype() == w[1].dtype());
+        let guards: Vec<_> = xs.iter().map(|x| x.storage_and_layout()).collect();
+        let mut parts = Vec::with_capacity(xs.len());
+        for (s, l) in &guards {
+            match &**s {
+                candle_core::Storage::Cuda(c) if same => parts.push((c, *l)),
+                _ => return Ok(None),
+            }
+        }
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        cuda::to_host_f32(&parts).map(Some)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = xs;
+        Ok(None)
+    }
+}
+
 /// The values of a float32 tensor, on the host (the custom ops' CPU halves read their extra
 /// inputs this way).
 pub(crate) fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {

@@ -31,6 +31,7 @@ mod chunk;
 mod conv;
 mod decode;
 mod distill;
+mod host_rows;
 mod mlp;
 mod norm;
 mod prep;
@@ -44,6 +45,7 @@ pub use chunk::{
 pub use conv::{conv, conv_bwd};
 pub use decode::{decode_step, out_norm, StepArgs};
 pub use distill::{kd_rows, kd_rows_bwd};
+pub use host_rows::to_host_f32;
 pub use mlp::{swiglu, swiglu_bwd};
 pub use norm::{add_packs, add_rms, add_rms_rows, gated_rms, rms_bwd};
 pub use prep::{col_sumsq, heads, heads_bwd_into, heads_into, qkv_prep};
