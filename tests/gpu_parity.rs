@@ -1102,8 +1102,8 @@ fn add_matches_candles_add_bit_for_bit() {
 
 /// Calibration's copy of GPU buffers to the host through page-locked staging (buffers of
 /// different lengths taking turns in two staging buffers, leading-row views among them) equals
-/// candle's cast to float32 and copy, bit for bit, in each dtype; mixed dtypes are left to the
-/// caller.
+/// candle's cast to float32 and copy, bit for bit, in each dtype; mixed dtypes and float64 are
+/// left to the caller.
 #[test]
 fn rows_to_host_match_candles_copy() {
     let gpu = gpu();
@@ -1123,5 +1123,6 @@ fn rows_to_host_match_candles_copy() {
     }
     let mixed = [Tensor::zeros(4, DType::BF16, &gpu).unwrap(), Tensor::zeros(4, DType::F32, &gpu).unwrap()];
     assert!(statecut::ops::gpu_to_host_f32(&mixed).unwrap().is_none());
+    assert!(statecut::ops::gpu_to_host_f32(&[Tensor::zeros(4, DType::F64, &gpu).unwrap()]).unwrap().is_none());
     assert!(statecut::ops::gpu_to_host_f32(&[Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()]).unwrap().is_none());
 }

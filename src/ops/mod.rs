@@ -243,11 +243,15 @@ pub(crate) fn copy_gpu(t: &Tensor, what: &str) -> Result<(candle_core::CudaStora
 
 /// Contiguous GPU tensors' values as float32 on the host, each in one copy through page-locked
 /// staging, widened on every core while the next copies (see `cuda::to_host_f32`); `None` where
-/// they are not all on a GPU (or not all of one dtype), for the caller's own copy.
+/// they are not all on a GPU, or not all of one dtype among bf16, f16 and f32, for the caller's
+/// own copy.
 pub fn gpu_to_host_f32(xs: &[Tensor]) -> Result<Option<Vec<Vec<f32>>>> {
     #[cfg(feature = "cuda")]
     {
-        let same = xs.windows(2).all(|w| w[0].dtype() == w[1].dtype());
+        use candle_core::DType;
+        // Float64 rows (a float64 model's) keep the caller's copy, which widens them as candle does.
+        let kernel = |x: &Tensor| matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32);
+        let same = xs.windows(2).all(|w| w[0].dtype() == w[1].dtype()) && xs.iter().all(kernel);
         let guards: Vec<_> = xs.iter().map(|x| x.storage_and_layout()).collect();
         let mut parts = Vec::with_capacity(xs.len());
         for (s, l) in &guards {
