@@ -107,18 +107,13 @@ impl Reservoir {
         Ok(())
     }
 
-    /// The rows held on a device, copied to the host as stored, for [`Self::land`].
-    fn fetch(&self) -> Result<Option<HostCopy>> {
-        self.on_device.as_ref().map(|_| HostCopy::of(&self.device_rows()?)).transpose()
-    }
-
     /// The filled rows of the device buffer (a contiguous view of its leading rows).
     fn device_rows(&self) -> Result<Tensor> {
         let buf = self.on_device.as_ref().ok_or_else(|| anyhow::anyhow!("no rows on a device"))?;
         Ok(buf.narrow(0, 0, self.slots())?)
     }
 
-    /// Widen a [`Self::fetch`]ed copy into `rows` (float32).
+    /// Widen a [`HostCopy`] of [`Self::device_rows`] into `rows` (float32).
     fn land(&mut self, copied: HostCopy) -> Result<()> {
         self.rows = copied.widen()?;
         Ok(())
@@ -245,8 +240,8 @@ impl Collector {
             held.into_iter().zip(rows).for_each(|(r, rows)| r.rows = rows);
             return Ok(());
         }
-        let copies = held.into_iter().map(|r| Ok((r.fetch()?, r))).collect::<Result<Vec<_>>>()?;
-        copies.into_par_iter().try_for_each(|(c, r)| c.map_or(Ok(()), |c| r.land(c)))
+        let copies = bufs.iter().map(HostCopy::of).collect::<Result<Vec<_>>>()?;
+        held.into_par_iter().zip(copies).try_for_each(|(r, c)| r.land(c))
     }
 
     /// Re-seed (used when resuming so that continued runs stay deterministic).
@@ -868,7 +863,7 @@ mod tests {
             dev.place_on_device(&plan2, &t).unwrap();
         }
         assert!(host.plan(0, &mut r1).is_empty());
-        let copied = dev.fetch().unwrap().expect("rows on the device buffer");
+        let copied = HostCopy::of(&dev.device_rows().unwrap()).unwrap();
         dev.land(copied).unwrap();
         assert_eq!(host.rows, dev.rows);
         assert_eq!(dev.len(), 7);

@@ -6,17 +6,12 @@
 //! dw's paths and the block's adds); the GPU's numerics are `tests/gpu_parity.rs`'s.
 
 use std::path::Path;
-use std::process::Command;
 
 include!("kernels/harness.rs");
 
 #[test]
 fn norm_kernels_match_float64_on_the_host() {
-    let bin = Path::new(env!("CARGO_TARGET_TMPDIR")).join("norm_kernels");
-    build_kernels_cpp("norm_kernels.cpp", &bin, false);
-    let out = Command::new(&bin).output().expect("the norm harness runs");
-    let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}\n{report}", String::from_utf8_lossy(&out.stderr));
+    let report = run_checking_harness("norm_kernels.cpp", &Path::new(env!("CARGO_TARGET_TMPDIR")).join("norm_kernels"));
     // Every path ran: the register and memory paths of the backward in both dtypes among them.
     for check in [
         "rms_bwd f32 n 256 registers dw",

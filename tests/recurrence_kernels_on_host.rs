@@ -6,17 +6,15 @@
 //! the columns past dv); the GPU's numerics are `tests/gpu_parity.rs`'s.
 
 use std::path::Path;
-use std::process::Command;
 
 include!("kernels/harness.rs");
 
 #[test]
 fn recurrence_block_shapes_match_float64_on_the_host() {
-    let bin = Path::new(env!("CARGO_TARGET_TMPDIR")).join("recurrence_kernels");
-    build_kernels_cpp("recurrence_kernels.cpp", &bin, false);
-    let out = Command::new(&bin).output().expect("the recurrence harness runs");
-    let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}\n{report}", String::from_utf8_lossy(&out.stderr));
+    let report = run_checking_harness(
+        "recurrence_kernels.cpp",
+        &Path::new(env!("CARGO_TARGET_TMPDIR")).join("recurrence_kernels"),
+    );
     // 5 widths x 3 decays x 2 rules x 2 block widths x 2 column counts, outputs and state.
     assert_eq!(report.lines().count(), 5 * 3 * 2 * 2 * 2 * 2, "{report}");
     for case in

@@ -248,22 +248,16 @@ pub(crate) fn copy_gpu(t: &Tensor, what: &str) -> Result<(candle_core::CudaStora
 pub fn gpu_to_host_f32(xs: &[Tensor]) -> Result<Option<Vec<Vec<f32>>>> {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::DType;
-        // Float64 rows (a float64 model's) keep the caller's copy, which widens them as candle does.
-        let kernel = |x: &Tensor| matches!(x.dtype(), DType::BF16 | DType::F16 | DType::F32);
-        let same = xs.windows(2).all(|w| w[0].dtype() == w[1].dtype()) && xs.iter().all(kernel);
         let guards: Vec<_> = xs.iter().map(|x| x.storage_and_layout()).collect();
         let mut parts = Vec::with_capacity(xs.len());
         for (s, l) in &guards {
             match &**s {
-                candle_core::Storage::Cuda(c) if same => parts.push((c, *l)),
+                candle_core::Storage::Cuda(c) => parts.push((c, *l)),
                 _ => return Ok(None),
             }
         }
-        if parts.is_empty() {
-            return Ok(None);
-        }
-        cuda::to_host_f32(&parts).map(Some)
+        // Float64 rows (a float64 model's) keep the caller's copy, which widens them as candle does.
+        cuda::to_host_f32(&parts)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -28,3 +28,15 @@ fn build_kernels_cpp(source: &str, out: &std::path::Path, tf32: bool) {
     });
     assert!(status.success(), "{cxx} failed on tests/kernels/{source}");
 }
+
+/// Builds tests/kernels/`source` (float32 operands) into `out` and runs it with no arguments, for
+/// the harnesses that check their kernels themselves: its report (stdout), or a failure with its
+/// stderr and report where it exits non-zero.
+#[allow(dead_code)] // tests/kernels_on_host.rs and src/ops/host_kernels.rs run theirs by shape
+fn run_checking_harness(source: &str, out: &std::path::Path) -> String {
+    build_kernels_cpp(source, out, false);
+    let run = std::process::Command::new(out).output().unwrap_or_else(|e| panic!("{source}'s harness runs: {e}"));
+    let report = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "{}\n{report}", String::from_utf8_lossy(&run.stderr));
+    report
+}

@@ -11,15 +11,20 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 use rayon::prelude::*;
 
-/// Every buffer's elements as float32, in order; all of one dtype (float32, bf16 or f16).
-pub fn to_host_f32(parts: &[(&CudaStorage, &Layout)]) -> Result<Vec<Vec<f32>>> {
-    let Some(first) = parts.first() else { return Ok(Vec::new()) };
-    match first.0.dtype() {
-        DType::BF16 => staged(parts, |x: half::bf16| x.to_f32()),
-        DType::F16 => staged(parts, |x: half::f16| x.to_f32()),
-        DType::F32 => staged(parts, |x: f32| x),
-        dt => candle_core::bail!("rows to the host: unsupported dtype {dt:?}"),
+/// Every buffer's elements as float32, in order, where all are of one dtype among float32, bf16
+/// and f16; `None` otherwise (float64 among them), or for no buffers.
+pub fn to_host_f32(parts: &[(&CudaStorage, &Layout)]) -> Result<Option<Vec<Vec<f32>>>> {
+    let Some(first) = parts.first() else { return Ok(None) };
+    let dtype = first.0.dtype();
+    if parts.iter().any(|(s, _)| s.dtype() != dtype) {
+        return Ok(None);
     }
+    Ok(Some(match dtype {
+        DType::BF16 => staged(parts, |x: half::bf16| x.to_f32())?,
+        DType::F16 => staged(parts, |x: half::f16| x.to_f32())?,
+        DType::F32 => staged(parts, |x: f32| x)?,
+        _ => return Ok(None),
+    }))
 }
 
 fn staged<T>(parts: &[(&CudaStorage, &Layout)], widen: fn(T) -> f32) -> Result<Vec<Vec<f32>>>
