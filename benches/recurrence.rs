@@ -1,6 +1,7 @@
 //! The delta-rule recurrence alone on one device, forward and forward + backward, in each of
-//! statecut's forms: the fused sequential kernel (forward only), the chunked form in candle ops,
-//! and the chunked form on statecut's chunk kernels. One JSON line per form and pass.
+//! statecut's forms: the fused sequential kernel (forward only), the fused op's chunked form on
+//! tensor cores (`fused-chunks`, forward only), the chunked form in candle ops, and the chunked
+//! form on statecut's chunk kernels. One JSON line per form and pass.
 //!
 //!   recurrence [--shape B,T,H,DK,DV] [--decay none|head|channel] [--rule delta|plain]
 //!              [--dtype bf16|f32] [--device cuda|cpu] [--iterations N] [--forms LIST]
@@ -162,6 +163,7 @@ fn kernel(form: &str) -> Result<Kernel> {
         "chunked-kernels" => Kernel::ChunkedKernels,
         "chunked" => Kernel::Chunked,
         "fused" => Kernel::Fused,
+        "fused-chunks" => Kernel::FusedChunks,
         "sequential" => Kernel::Sequential,
         f => bail!("unknown form {f}"),
     })
@@ -225,7 +227,7 @@ fn main() -> Result<()> {
     for form in &o.forms {
         let kernel = kernel(form)?;
         for backward in [false, true] {
-            if backward && kernel == Kernel::Fused {
+            if backward && matches!(kernel, Kernel::Fused | Kernel::FusedChunks) {
                 continue;
             }
             let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<candle_core::Result<_>>()?;

@@ -36,6 +36,8 @@
 #   blocks   the fused recurrence's forward in each block shape of the launcher (warps a block,
 #            state columns a thread; r16: 16 key rows a thread) at the teachers' and calibration's
 #            shapes
+#   fchunks  the fused op's forward, sequential (fused) against its chunked form (fused-chunks), at
+#            calibration's, the teachers' and the pruned students' shapes and at short lengths
 #   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
 #            the pruned DeltaNet's shape: the details page as text, the per-instruction source
 #            page (SASS, stall samples) as xz'd CSV
@@ -229,6 +231,20 @@ for l in sys.stdin: r=json.loads(l); print(r["block"], r["b"], r["h"], r["dk"], 
   done
 }
 
+st_fchunks() {
+  local d=$1
+  for r in $(seq $ROUNDS); do
+    for s in "8,2048,16,128,128 none" "8,2048,8,256,256 head" "16,2048,16,128,128 none" \
+             "16,2048,8,256,256 head" "16,2048,16,64,128 none" "16,2048,8,128,256 head" "1,2048,16,128,128 none" \
+             "1,64,16,128,128 none" "1,256,16,128,128 none" "8,256,16,128,128 none" "64,128,16,128,128 none"; do
+      set -- $s
+      /tmp/bins/$NEW/recurrence --shape $1 --decay $2 --iterations 7 --forms fused,fused-chunks 2>>$d/fchunks.log |
+        tee -a $d/fchunks.jsonl | python3 -c 'import json,sys
+for l in sys.stdin: r=json.loads(l); print(r["form"], r["b"], r["t"], r["h"], r["dk"], r["dv"], r["decay"], round(r["ms"],3))'
+    done
+  done
+}
+
 st_detail() {
   for k in chunk_walk_fwd_tc_k64 chunk_intra_fwd_tc chunk_out_fwd_tc chunk_walk_bwd_tc_k64 chunk_intra_bwd_tc chunk_out_bwd_tc; do
     timeout 120 $NCU --clock-control none --set full --import-source yes -k $k --launch-count 1 -f -o $W/$k \
@@ -245,7 +261,7 @@ st_detail() {
 }
 
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

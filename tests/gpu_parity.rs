@@ -14,7 +14,7 @@ use statecut::arch::{family_for, CausalLm, DecodeCache, LoadOptions, NoObserver}
 use statecut::calib::{CalibSettings, Calibration};
 use statecut::checkpoint::Checkpoint;
 use statecut::graph_decode::GraphDecoder;
-use statecut::ops::delta_rule::{Kernel, Recurrence, Rule};
+use statecut::ops::delta_rule::{Kernel, Recurrence, Rule, FUSED_CHUNKS_FROM_TOKENS};
 use statecut::ops::fused_block::with_fused_block;
 
 /// The device as `--device cuda` opens it, gradients summed as the binary sums them.
@@ -82,9 +82,14 @@ fn check_dir(name: &str, dir: &std::path::Path) {
         .get("logits_bf16_kernel")
         .or(golden.get("logits_bf16"))
         .map(|up| common::rel_err(&flat(up), &flat(&golden["logits"])));
-    // The default kernels (the fused one at these lengths), then the chunk kernels on tensor
-    // cores that long sequences take.
-    for (label, kernel) in [("", None), (" on the chunk kernels", Some(Kernel::ChunkedKernels))] {
+    // The default kernels (the fused op, in chunks on tensor cores from 64 tokens), the fused op's
+    // sequential kernel, then the chunk kernels on tensor cores that long sequences of few
+    // sequences take.
+    for (label, kernel) in [
+        ("", None),
+        (" on the sequential kernel", Some(Kernel::Fused)),
+        (" on the chunk kernels", Some(Kernel::ChunkedKernels)),
+    ] {
         let run = || bf16.forward(&ids_gpu, &mut NoObserver);
         let logits = match kernel {
             Some(k) => Kernel::scoped(k, run),
@@ -249,7 +254,8 @@ fn qwen3_5_gpu_matches_cpu() {
 /// Every CUDA recurrence instance (tiled for 16/24/32 rows per thread and 1..32 threads per
 /// column, in each block shape it has, the general kernel otherwise), with no / per-step /
 /// per-channel decay, both rules, one step and many (crossing the staged chunks), from a given
-/// state: outputs and final state against the CPU's sequential kernel.
+/// state, and the fused op's chunked form: outputs and final state against the CPU's sequential
+/// kernel.
 #[test]
 fn recurrence_kernels_match_cpu_on_random_shapes() {
     let gpu = gpu();
@@ -271,7 +277,7 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
         (20, 20),
         (8, 8),
     ];
-    let mut worst_bf16 = 0f64;
+    let (mut worst_bf16, mut worst_fused_chunks) = (0f64, 0f64);
     for (dk, dv) in shapes {
         for t in [1, 77] {
             // decay 0: none, 1: per step, 2: per step and per key channel, 3: per key channel only
@@ -320,6 +326,20 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
                             "{what} fused in blocks {block:?}: outputs differ by {eo:.3e}, state by {es:.3e}"
                         );
                     }
+                    // The fused op's chunked form (16-bit models' passes): TF32 products where it
+                    // has the shape (keys up to 256 wide, a decay per step or none, enough steps),
+                    // else the sequential kernel's float32 result.
+                    let (o, s) = run(&gpu, Kernel::FusedChunks);
+                    let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
+                    let in_chunks = dk <= 256 && decay <= 1 && t >= FUSED_CHUNKS_FROM_TOKENS;
+                    let bound = if in_chunks { 4e-3 } else { 1e-5 };
+                    assert!(
+                        eo < bound && es < bound,
+                        "{what} fused in chunks ({in_chunks}): outputs differ by {eo:.3e}, state by {es:.3e}"
+                    );
+                    if in_chunks {
+                        worst_fused_chunks = worst_fused_chunks.max(eo).max(es);
+                    }
                     // the chunked form (the Grad selector's) on the GPU, per-channel decays included
                     let (o, s) = run(&gpu, Kernel::Chunked);
                     let (eo, es) = (common::rel_err(&o, &o_ref), common::rel_err(&s, &s_ref));
@@ -350,6 +370,7 @@ fn recurrence_kernels_match_cpu_on_random_shapes() {
         eprintln!("recurrence dk {dk} dv {dv}: cuda fused and chunked forms (and chunk kernels) match the cpu kernel");
     }
     eprintln!("chunk kernels with bf16 values: largest relative difference {worst_bf16:.2e}");
+    eprintln!("the fused op in chunks: largest relative difference {worst_fused_chunks:.2e}");
 }
 
 /// The chunk kernels' gradients on the GPU (float32 and bf16 inputs) against the composed

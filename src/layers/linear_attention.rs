@@ -324,13 +324,19 @@ impl LinearAttention {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        let o = if chunks {
-            use crate::ops::delta_rule::Kernel;
-            Kernel::scoped(Kernel::ChunkedKernels, || {
+        // A 16-bit model's pass that stays on the fused op may take its chunked form (TF32
+        // products, within the bf16 the inputs came in).
+        use crate::ops::delta_rule::Kernel;
+        let in_chunks =
+            fused && !chunks && matches!(mixed.dtype(), DType::BF16 | DType::F16) && Kernel::fused_in_chunks(dev);
+        let o = match (chunks, in_chunks) {
+            (true, _) => Kernel::scoped(Kernel::ChunkedKernels, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)
-            })?
-        } else {
-            crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?
+            })?,
+            (false, true) => Kernel::scoped(Kernel::FusedChunks, || {
+                crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)
+            })?,
+            (false, false) => crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)?,
         };
         Ok(Made::Tracked(self.output(x, o, p.z.as_ref())?))
     }

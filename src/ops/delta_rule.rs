@@ -35,6 +35,10 @@ pub const CHUNKS_FROM_TOKENS: usize = 512;
 /// 8 sequences a calibration pass ran faster on the fused kernel.
 pub const CHUNKS_UP_TO_BLOCKS: usize = 128;
 
+/// Passes of at least this many tokens take the fused op's chunked form where a layer asks for
+/// it ([`Kernel::FusedChunks`]); shorter ones, and decoding steps, walk their tokens in turn.
+pub const FUSED_CHUNKS_FROM_TOKENS: usize = 64;
+
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     b: usize,
@@ -331,6 +335,9 @@ struct FusedOp {
     s0: Tensor,
     /// The final state goes over `s0` (GPU only); the output is o alone.
     in_place: bool,
+    /// The GPU may compute it in chunks on tensor cores ([`Kernel::FusedChunks`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    chunks: bool,
 }
 
 impl FusedOp {
@@ -425,6 +432,7 @@ impl CustomOp3 for FusedOp {
             dv: d.dv,
             delta: self.op.rule == Rule::Delta,
             scale: self.op.scale,
+            chunks: self.chunks,
         };
         // The op's other inputs are read where they lie (read locks, as candle takes for q/k/v).
         let (beta, g, gk, s0) = (
@@ -460,6 +468,11 @@ pub enum Kernel {
     /// The sequential float32 recurrence as one op on the inputs' own device (one CUDA kernel
     /// on GPUs); not differentiable.
     Fused,
+    /// The fused op, on GPUs with tensor cores computed in chunks with TF32 products (one CUDA
+    /// kernel, `chunk_fused.cu`) for passes of [`FUSED_CHUNKS_FROM_TOKENS`] or more with a decay
+    /// per head or none: for the 16-bit models' passes without gradients, whose layers ask for
+    /// it ([`Self::fused_in_chunks`]); elsewhere as [`Self::Fused`].
+    FusedChunks,
 }
 
 impl Kernel {
@@ -470,7 +483,7 @@ impl Kernel {
     /// chunk kernels); otherwise the fused kernel on GPUs (a layer whose long sequences measured
     /// faster on the chunk kernels asks for them: [`Self::chunks_without_gradients`]) and the
     /// sequential kernel on the CPU, where the per-head loop is exact and fast for the model
-    /// sizes that run there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused` overrides the choice (for
+    /// sizes that run there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused|fused-chunks` overrides the choice (for
     /// benchmarks and tests).
     pub fn choose(rec: &Recurrence) -> Kernel {
         let tracked = [Some(rec.q), Some(rec.k), Some(rec.v), Some(rec.beta), rec.g, rec.gk, rec.initial]
@@ -493,7 +506,7 @@ impl Kernel {
         match choice {
             // The fused op has no backward: a tracked input needs one of the other two; its CUDA
             // kernel keeps at most 32 x 32 key rows of a state column in registers.
-            Kernel::Fused if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
+            Kernel::Fused | Kernel::FusedChunks if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
                 if gpu {
                     chunked
                 } else {
@@ -512,6 +525,7 @@ impl Kernel {
             Ok("chunked-kernels") => Some(Kernel::ChunkedKernels),
             Ok("sequential") => Some(Kernel::Sequential),
             Ok("fused") => Some(Kernel::Fused),
+            Ok("fused-chunks") => Some(Kernel::FusedChunks),
             _ => None,
         });
         FORCED.with(|f| f.get()).or(from_env)
@@ -529,6 +543,13 @@ impl Kernel {
             Some(k) => walkable && k == Kernel::ChunkedKernels,
             None => walkable && long_and_few((b, t, h), dv),
         }
+    }
+
+    /// Whether a 16-bit model's recurrence without gradients on `device` should take the fused
+    /// op's chunked form (the layer then scopes it to [`Kernel::FusedChunks`]): off the CPU,
+    /// unless `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another kernel.
+    pub fn fused_in_chunks(device: &Device) -> bool {
+        !device.is_cpu() && matches!(Self::overridden(), None | Some(Kernel::FusedChunks))
     }
 
     /// Whether a delta-rule recurrence with gradients on `device`, keys `dk` wide, runs on the
@@ -586,6 +607,7 @@ impl Recurrence<'_> {
             Kernel::Chunked => super::chunked::forward(self)?.0.to_dtype(self.v.dtype()),
             Kernel::ChunkedKernels => super::chunked::forward_in(self, Form::Kernels)?.0.to_dtype(self.v.dtype()),
             Kernel::Fused => self.fused_with_state()?.0.to_dtype(self.v.dtype()),
+            Kernel::FusedChunks => self.fused(false, true)?.0.to_dtype(self.v.dtype()),
             Kernel::Sequential => self.forward_sequential(),
         }
     }
@@ -593,7 +615,13 @@ impl Recurrence<'_> {
     /// Outputs o [B, T, H, dv] and the final state [B, H, dk, dv], both float32 on the inputs'
     /// device, through [`FusedOp`].
     pub fn fused_with_state(&self) -> Result<(Tensor, Tensor)> {
-        let (o, s) = self.fused(false)?;
+        self.fused_state(false)
+    }
+
+    /// [`Self::fused_with_state`], in chunks on tensor cores where `chunks` and the GPU's kernel
+    /// has the shape ([`Kernel::FusedChunks`]).
+    fn fused_state(&self, chunks: bool) -> Result<(Tensor, Tensor)> {
+        let (o, s) = self.fused(false, chunks)?;
         Ok((o, s.expect("an out-of-place recurrence returns its state")))
     }
 
@@ -608,10 +636,10 @@ impl Recurrence<'_> {
         if !ok {
             candle_core::bail!("recurrence: an in-place step needs a float32 contiguous state on the inputs' device");
         }
-        Ok(self.fused(true)?.0)
+        Ok(self.fused(true, false)?.0)
     }
 
-    fn fused(&self, in_place: bool) -> Result<(Tensor, Option<Tensor>)> {
+    fn fused(&self, in_place: bool, chunks: bool) -> Result<(Tensor, Option<Tensor>)> {
         let dev = self.q.device();
         let op = self.op()?;
         let f = |t: &Tensor| t.to_device(dev)?.to_dtype(DType::F32)?.contiguous();
@@ -625,7 +653,7 @@ impl Recurrence<'_> {
             (None, Some(_)) => Some(Tensor::zeros(self.beta.shape(), DType::F32, dev)?),
             (g, _) => g.map(f).transpose()?,
         };
-        let fused = FusedOp { beta: f(self.beta)?, g, gk: self.gk.map(f).transpose()?, s0, op, in_place };
+        let fused = FusedOp { beta: f(self.beta)?, g, gk: self.gk.map(f).transpose()?, s0, op, in_place, chunks };
         let (q, k, v) = (f(self.q)?, f(self.k)?, f(self.v)?);
         crate::profile::mark("recurrence: inputs to float32", dev);
         let out = q.apply_op3_no_bwd(&k, &v, &fused)?;
@@ -654,6 +682,7 @@ impl Recurrence<'_> {
             Kernel::Chunked => super::chunked::forward(self)?,
             Kernel::ChunkedKernels => super::chunked::forward_in(self, Form::Kernels)?,
             Kernel::Fused => self.fused_with_state()?,
+            Kernel::FusedChunks => self.fused_state(true)?,
             Kernel::Sequential => return self.sequential_with_state(),
         };
         Ok((o.to_dtype(self.v.dtype())?, s))

@@ -108,6 +108,17 @@ inline float __shfl_xor_sync(unsigned, float x, int lanes) {
   return y;
 }
 
+// Lane l takes lane l − delta's x; the lanes below delta keep their own.
+inline float __shfl_up_sync(unsigned, float x, int delta) {
+  const unsigned id = emu::linear_thread(), lane = id % 32;
+  emu::Warp &w = emu::warps[id / 32];
+  w.v[lane] = x;
+  w.bar.arrive_and_wait();
+  const float y = lane >= unsigned(delta) ? w.v[lane - delta] : x;
+  w.bar.arrive_and_wait();
+  return y;
+}
+
 // c += A[m0.., k0..k0+8] B[k0..k0+8, n0..] for the lane (g, t) of one m16n8k8 product: its four
 // accumulators are rows m0 + g and m0 + g + 8, columns n0 + 2t and n0 + 2t + 1.
 template <class View>

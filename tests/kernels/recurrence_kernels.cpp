@@ -1,10 +1,14 @@
-// The tiled sequential recurrence of src/ops/cuda/recurrence.cu runs on the host (emulation.h):
-// each block shape (8 or 4 warps, one or two state columns a thread) of several key widths, with
-// no decay, a decay per step and one per key channel, both rules, against a float64 sequential
-// reference on the same inputs. Prints one line per case, `<case> <max |got − want| / max |want|>`
-// for the outputs and the final state, and exits non-zero naming a case that is off.
+// The GPU's recurrences without gradients run on the host (emulation.h), against a float64
+// sequential reference on the same inputs: the tiled sequential kernel of
+// src/ops/cuda/recurrence.cu in each block shape (8 or 4 warps, one or two state columns a
+// thread) at several key widths, with no decay, a decay per step and one per key channel, both
+// rules; and the chunked form of src/ops/cuda/chunk_fused.cu in each instance, at key widths it
+// pads, lengths that end mid-chunk and value widths that end mid-tile, with no decay and one per
+// step. Prints one line per case, `<case> <max |got − want| / max |want|>` for the outputs and
+// the final state, and exits non-zero naming a case that is off.
 #include "emulation.h"
 #include "../../src/ops/cuda/recurrence.cu"
+#include "../../src/ops/cuda/chunk_fused.cu"
 
 #include <cstdio>
 #include <random>
@@ -12,6 +16,8 @@
 
 // The kernel's staged steps: blocks run one after another, so one array serves them all.
 alignas(16) float stage[65536];
+// The chunked form's, and that of the chunk kernels its file includes.
+alignas(16) float fsm[65536], osm[65536], ism[65536], wsm[65536];
 
 namespace {
 using Buf = std::vector<float>;
@@ -119,6 +125,34 @@ template <int ROWS, int R, int DECAY, int COLS> void run(const Case &c, int warp
   check(what + " state", out, want, n_o, out.size());
 }
 
+// One launch of chunk_fused_fwd<DK, C> as recurrence.rs makes it, for keys dk ≤ DK wide; with
+// `in_place` the final state goes over s0.
+template <int DK, int C> void run_chunks(const Case &c, bool in_place) {
+  const Inputs x = draw(c);
+  const float scale = 0.37f;
+  const size_t n_o = size_t(c.b) * c.t * c.h * c.dv, n_s = size_t(c.b) * c.h * c.dk * c.dv;
+  Buf out(n_o + n_s, NAN), s0 = x.s0;
+  if (ChunkFused<DK, C>::floats > int(sizeof(fsm) / 4)) std::abort();
+  float *state = in_place ? s0.data() : out.data() + n_o;
+  emu::launch(dim3{unsigned((c.dv + CF_TV - 1) / CF_TV), unsigned(c.b * c.h), 1}, dim3{256, 1, 1}, [&] {
+    chunk_fused_fwd<DK, C>(x.q.data(), x.k.data(), x.v.data(), x.beta.data(), x.g.data(), s0.data(), out.data(),
+                           state, c.t, c.h, c.dk, c.dv, c.decay, c.delta, scale);
+  });
+  if (in_place) std::copy(s0.begin(), s0.end(), out.begin() + n_o);
+  const auto want = reference(c, x, scale);
+  const std::string what = "chunks" + std::to_string(DK) + " dk " + std::to_string(c.dk) + " dv " +
+                           std::to_string(c.dv) + " T " + std::to_string(c.t) + " decay " +
+                           std::to_string(c.decay) + (c.delta ? " delta" : " plain") + (in_place ? " in place" : "");
+  check(what + " outputs", out, want, 0, n_o);
+  check(what + " state", out, want, n_o, out.size());
+}
+
+// Both rules, no decay and one per step.
+template <int DK, int C> void chunk_forms(int dk, int dv, int t, bool in_place = false) {
+  for (int decay = 0; decay < 2; ++decay)
+    for (int delta = 0; delta < 2; ++delta) run_chunks<DK, C>(Case{2, t, 2, dk, dv, decay, delta}, in_place);
+}
+
 template <int ROWS, int R, int DECAY> void forms(int dv, int t) {
   for (int delta = 0; delta < 2; ++delta) {
     const Case c{2, t, 2, ROWS * R, dv, DECAY, delta};
@@ -145,5 +179,15 @@ int main() {
   decays<24, 4>(72, 9);
   decays<16, 2>(40, 12);
   decays<32, 8>(48, 1);
+  // The chunked form: dk 128 over two chunks and a part (T 150), dv 80 (the second column tile
+  // mostly past dv); dk 64 with the state in place; dk 48 padded to 64, one step; dk 96 padded
+  // to 128 over exactly one chunk; dk 30 (rows not a multiple of four: staged by single floats)
+  // padded to 32; dk 256 in chunks of 32 with dv 48.
+  chunk_forms<128, 64>(128, 80, 150);
+  chunk_forms<64, 64>(64, 64, 70, true);
+  chunk_forms<64, 64>(48, 40, 1);
+  chunk_forms<128, 64>(96, 64, 64);
+  chunk_forms<32, 64>(30, 36, 33);
+  chunk_forms<256, 32>(256, 48, 45);
   return failures ? 1 : 0;
 }

@@ -85,18 +85,17 @@ __device__ void intra_gram(const float *k, int c, int dk, float *tile, float *G)
     for (int s = 0; s < 4; ++s) G[(4 * bi + q) * INTRA_P + 4 * bj + s] = acc[q][s];
 }
 
-// T = (I − A)⁻¹ for A strictly lower triangular with rows c.. zero, by 16 x 16 blocks (as fla's
-// `solve_tril` merges its blocks): forward substitution inside the four diagonal blocks (one
+// T = (I − A)⁻¹ for A [C, C] strictly lower triangular (C a multiple of 16), by 16 x 16 blocks
+// (as fla's `solve_tril` merges its blocks): forward substitution inside the diagonal blocks (one
 // thread per block column: chains of at most 15 terms, where one thread per column of the
 // whole 64 x 64 ran chains of up to 2016 while the other warps of the block waited), then
 // block row by block row T_ij = T_ii Σ_{j≤k<i} A_ik T_kj, each element by one thread. R_ij is
 // held in T's block (j, i), above the diagonal, until T_ii multiplies it; those blocks are
 // zeroed last. Every thread of the block must call it.
 #define INV_B 16
-__device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) {
-  (void)c;  // rows c.. of A are zero, so those of T are the identity's
+template <int C> __device__ void tri_invert(const float *A, float *T, int ld) {
   const int tid = threadIdx.x;
-  if (tid < INTRA_C) {
+  if (tid < C) {
     // The thread's column stays in registers through its chain (its entries above the diagonal
     // are zeros, which add nothing), where each step stored its entry to shared memory and the
     // next steps loaded it back.
@@ -113,7 +112,7 @@ __device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) 
     for (int i = 0; i < INV_B; ++i) T[(o + i) * ld + o + col] = x[i];
   }
   __syncthreads();
-  for (int bi = 1; bi < INTRA_C / INV_B; ++bi) {
+  for (int bi = 1; bi < C / INV_B; ++bi) {
     const int n = bi * INV_B * INV_B;
     for (int e = tid; e < n; e += blockDim.x) {
       const int bj = e / (INV_B * INV_B), r = e / INV_B % INV_B, s = e % INV_B;
@@ -132,10 +131,16 @@ __device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) 
     }
     __syncthreads();
   }
-  for (int e = tid; e < INTRA_C * INTRA_C; e += blockDim.x) {
-    const int i = e / INTRA_C, j = e % INTRA_C;
+  for (int e = tid; e < C * C; e += blockDim.x) {
+    const int i = e / C, j = e % C;
     if (j / INV_B > i / INV_B) T[i * ld + j] = 0.0f;
   }
+}
+
+// tri_invert over the solve's 64 x 64 chunks.
+__device__ void intra_invert(const float *A, int c, float *T, int ld = INTRA_P) {
+  (void)c;  // rows c.. of A are zero, so those of T are the identity's
+  tri_invert<INTRA_C>(A, T, ld);
 }
 
 // A_tj = −β_t e^{γ_t − γ_j} G_tj below the diagonal, 0 elsewhere.

@@ -14,3 +14,4 @@
 #include "chunk_intra.cu"
 #include "chunk_out.cu"
 #include "chunk_tc.cu"
+#include "chunk_fused.cu"

@@ -1,6 +1,7 @@
-//! Launcher of the sequential recurrence (`recurrence.cu`).
+//! Launcher of the recurrence without gradients: the sequential kernels (`recurrence.cu`), or
+//! for 16-bit models' longer passes the chunked form (`chunk_fused.cu`).
 
-use super::{function, view};
+use super::{function, shared_memory, view};
 use crate::ops::fused_block::{self, Block};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -17,6 +18,8 @@ pub struct RecurrenceDims {
     pub dv: usize,
     pub delta: bool,
     pub scale: f32,
+    /// The caller allows the chunked form on tensor cores (TF32 products): 16-bit models.
+    pub chunks: bool,
 }
 
 /// The inputs of one recurrence launch, each float32 and contiguous: q, k [B,T,H,dk],
@@ -57,6 +60,29 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
     let state_out = if in_place { s0.slice(..) } else { out.slice(n_o..) };
+    if let Some(width) = chunked_width(d, has_gk) {
+        let bytes = 4 * chunked_floats(width);
+        let func = function(&dev, &format!("chunk_fused_fwd_{width}"))?;
+        shared_memory(&func, bytes)?;
+        let cfg = LaunchConfig {
+            grid_dim: (d.dv.div_ceil(CHUNKED_COLUMNS) as u32, (d.b * d.h) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        };
+        let ints: Vec<i32> = [d.t, d.h, d.dk, d.dv, gated as usize, d.delta as usize].map(|v| v as i32).to_vec();
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&q).arg(&k).arg(&v).arg(&beta).arg(g).arg(&s0).arg(&out).arg(&state_out);
+        for v in &ints {
+            builder.arg(v);
+        }
+        builder.arg(&d.scale);
+        // SAFETY: argument list matches `chunk_fused_fwd_*` in chunk_fused.cu (the buffers, T, H,
+        // dk, dv, gated, delta, scale); buffers are sized above, and shared memory as the kernel's
+        // `ChunkFused<DK, C>` lays it out.
+        unsafe { builder.launch(cfg) }.w()?;
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)));
+    }
     // The tiled kernel when the rows split exactly into float4 groups it has an instance for
     // (every common head width), else the general one.
     let tiled = r * rows == d.dk && matches!(rows, 16 | 24 | 32);
@@ -113,4 +139,28 @@ fn rows_override(dk: usize) -> Option<usize> {
             .filter(|r| matches!(r, 16 | 24 | 32))
     }))?;
     (dk.is_multiple_of(rows) && (dk / rows).is_power_of_two() && dk / rows <= 32).then_some(rows)
+}
+
+/// State columns a block of the chunked form holds (`CF_TV` in chunk_fused.cu).
+const CHUNKED_COLUMNS: usize = 64;
+
+/// The key width of the chunked form's instance for this launch (dk padded up to 32, 64, 128 or
+/// 256), if it takes the chunked form: the caller allows it, the GPU has tensor cores, no
+/// per-channel decay, and at least [`FUSED_CHUNKS_FROM_TOKENS`] steps.
+///
+/// [`FUSED_CHUNKS_FROM_TOKENS`]: crate::ops::delta_rule::FUSED_CHUNKS_FROM_TOKENS
+fn chunked_width(d: &RecurrenceDims, has_gk: bool) -> Option<usize> {
+    let long = d.t >= crate::ops::delta_rule::FUSED_CHUNKS_FROM_TOKENS;
+    if !(d.chunks && cfg!(tensor_cores) && !has_gk && long) {
+        return None;
+    }
+    [32, 64, 128, 256].into_iter().find(|&w| d.dk <= w)
+}
+
+/// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`): chunks of 64
+/// tokens, of 32 for keys 256 wide.
+fn chunked_floats(width: usize) -> usize {
+    let c = if width > 128 { 32 } else { 64 };
+    let (lk, ls, lc) = (width + 4, CHUNKED_COLUMNS + 8, c + 4);
+    2 * c * lk + width * ls + 2 * c * ls + 3 * c * lc + 2 * c
 }
