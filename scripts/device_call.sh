@@ -37,7 +37,8 @@
 #            state columns a thread; r16: 16 key rows a thread) at the teachers' and calibration's
 #            shapes
 #   fchunks  the fused op's forward, sequential (fused) against its chunked form (fused-chunks), at
-#            calibration's, the teachers' and the pruned students' shapes and at short lengths
+#            calibration's, the teachers' and the pruned students' shapes and at short lengths;
+#            the chunked form of the builds in EXTRA too
 #   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
 #            the pruned DeltaNet's shape: the details page as text, the per-instruction source
 #            page (SASS, stall samples) as xz'd CSV
@@ -238,9 +239,12 @@ st_fchunks() {
              "16,2048,8,256,256 head" "16,2048,16,64,128 none" "16,2048,8,128,256 head" "1,2048,16,128,128 none" \
              "1,64,16,128,128 none" "1,256,16,128,128 none" "8,256,16,128,128 none" "64,128,16,128,128 none"; do
       set -- $s
-      /tmp/bins/$NEW/recurrence --shape $1 --decay $2 --iterations 7 --forms fused,fused-chunks 2>>$d/fchunks.log |
-        tee -a $d/fchunks.jsonl | python3 -c 'import json,sys
-for l in sys.stdin: r=json.loads(l); print(r["form"], r["b"], r["t"], r["h"], r["dk"], r["dv"], r["decay"], round(r["ms"],3))'
+      for b in $NEW ${EXTRA:-}; do
+        forms=fused-chunks; [ $b = $NEW ] && forms=fused,fused-chunks
+        /tmp/bins/$b/recurrence --shape $1 --decay $2 --iterations 7 --forms $forms 2>>$d/fchunks.log |
+          sed "s/^{/{\"build\":\"$b\",/" | tee -a $d/fchunks.jsonl | python3 -c 'import json,sys
+for l in sys.stdin: r=json.loads(l); print(r["build"], r["form"], r["b"], r["t"], r["h"], r["dk"], r["dv"], r["decay"], round(r["ms"],3))'
+      done
     done
   done
 }

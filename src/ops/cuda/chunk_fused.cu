@@ -15,14 +15,15 @@
 //   S ← e^{γ_C} S + Kᵀ diag(e^{γ_C − γ}) U
 // with the products on mma.sync (TF32 operands, float32 sums), the state in float32. The [C, C]
 // matrices and the solve are made again by each column tile of a head: cheaper than a pass
-// through memory at the widths models have. Inputs as `recurrence_tiled`'s, float32 [B, T, H, ·];
+// through memory at the widths models have. The next chunk's queries and values are copied in
+// while a chunk's solve, outputs and state update run (its keys once the update has read them). Inputs as `recurrence_tiled`'s, float32 [B, T, H, ·];
 // outputs o [B, T, H, dv] and the final state [B, H, dk, dv] (which may be s0 itself: a block
 // reads its columns of s0 before it writes them).
 #define CF_TV 64
 
 // Shared memory of chunk_fused_fwd<DK, C>, in floats: Q and K [C, DK + 4] (≡ 4 mod 32: fragment
-// reads by rows on distinct banks), S [DK, CF_TV + 8] and the value tiles X, Y [C, CF_TV + 8] (≡ 8
-// mod 32: read by rows as B), A, T and P [C, C + 4], then β, γ.
+// reads by rows on distinct banks), S [DK, CF_TV + 8] and two value tiles [C, CF_TV + 8] (≡ 8 mod
+// 32: read by rows as B) that chunks take in turn, A, T and P [C, C + 4], then β, γ.
 template <int DK, int C> struct ChunkFused {
   static constexpr int LK = DK + 4, LS = CF_TV + 8, LC = C + 4;
   static constexpr int floats = 2 * C * LK + DK * LS + 2 * C * LS + 3 * C * LC + 2 * C;
@@ -79,9 +80,9 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
   // Slots a warp holds of the [C, C], [C, CF_TV] and [DK, CF_TV] products (16 x 8 tiles over 8 warps).
   constexpr int SQ = C * C / 1024, SV = C * CF_TV / 1024, SS = DK * CF_TV / 1024;
   extern __shared__ __align__(16) float fsm[];
-  float *Qs = fsm, *Ks = Qs + C * LK, *S = Ks + C * LK, *X = S + DK * LS, *Y = X + C * LS;
-  float *A = Y + C * LS, *Tm = A + C * LC, *P = Tm + C * LC, *bet = P + C * LC, *gam = bet + C;
-  const TcView kr{Ks, LK, 1}, kt{Ks, 1, LK}, qr{Qs, LK, 1}, sr{S, LS, 1}, xr{X, LS, 1}, yr{Y, LS, 1};
+  float *Qs = fsm, *Ks = Qs + C * LK, *S = Ks + C * LK, *V0 = S + DK * LS, *V1 = V0 + C * LS;
+  float *A = V1 + C * LS, *Tm = A + C * LC, *P = Tm + C * LC, *bet = P + C * LC, *gam = bet + C;
+  const TcView kr{Ks, LK, 1}, kt{Ks, 1, LK}, qr{Qs, LK, 1}, sr{S, LS, 1};
   const TcView ar{Tm, LC, 1}, pr{P, LC, 1};
   const int tid = threadIdx.x, lane = tid % 32;
   const int bh = blockIdx.y, b = bh / H, h = bh % H, v0 = blockIdx.x * CF_TV;
@@ -91,12 +92,20 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     S[r * LS + j] = r < dk && v0 + j < dv ? init[(long long)r * dv + v0 + j] : 0.0f;
   }
   const int chunks = (T + C - 1) / C;
-  for (int ci = 0; ci < chunks; ++ci) {
+  // A chunk's queries and its tile of values (into `vt`).
+  const auto stage_qv = [&](int ci, float *vt) {
     const int t0 = ci * C, n = min(C, T - t0);
     const long long tok0 = ((long long)b * T + t0) * H + h;
     cf_stage(Qs, LK, q + tok0 * dk, (long long)H * dk, 0, dk, n, C, DK);
+    cf_stage(vt, LS, v + tok0 * dv, (long long)H * dv, v0, dv, n, C, CF_TV);
+  };
+  stage_qv(0, V0);
+  for (int ci = 0; ci < chunks; ++ci) {
+    const int t0 = ci * C, n = min(C, T - t0);
+    const long long tok0 = ((long long)b * T + t0) * H + h;
+    float *X = ci & 1 ? V1 : V0, *next = ci & 1 ? V0 : V1;
+    const TcView xr{X, LS, 1};
     cf_stage(Ks, LK, k + tok0 * dk, (long long)H * dk, 0, dk, n, C, DK);
-    cf_stage(X, LS, v + tok0 * dv, (long long)H * dv, v0, dv, n, C, CF_TV);
     __pipeline_commit();
     if (tid < 32) {
       // β, and γ as an inclusive scan of the chunk's log decays over the warp: each lane sums
@@ -137,32 +146,34 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
       P[t * LC + j] = j <= t ? scale * __expf(gam[t] - gam[j]) * x : 0.0f;
     });
     // X = diag(β) (V − diag(e^γ) K S), in place over V (each element by the thread whose tile
-    // holds it); under the plain rule X = diag(β) V, which is U, so Y = diag(e^{γ_C − γ}) U too.
+    // holds it); under the plain rule X = diag(β) V, which is U.
     float vs[SV][4];
     tc_zero<SV>(vs);
     if (delta) tc_acc<SV>(vs, C, CF_TV, DK, kr, sr, false);
-    tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) {
-      const float u = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x);
-      X[t * LS + j] = u;
-      if (!delta) Y[t * LS + j] = __expf(last - gam[t]) * u;
-    });
+    tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) { X[t * LS + j] = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x); });
     // The outputs' first term, held until U is known: scale e^γ Q S.
     float o[SV][4];
     tc_zero<SV>(o);
     tc_acc<SV>(o, C, CF_TV, DK, qr, sr, false);
     tc_scale_rows<SV>(o, C, CF_TV, [&](int t) { return scale * __expf(gam[t]); });
     __syncthreads();
+    // The queries are read; the next chunk's come in beside this one's solve. The keys' last
+    // use, the state update, takes them as diag(e^{γ_C − γ}) K.
+    if (ci + 1 < chunks) stage_qv(ci + 1, next);
+    __pipeline_commit();
+    for (int e = tid; e < C * DK; e += blockDim.x) {
+      const int t = e / DK, r = e % DK;
+      Ks[t * LK + r] *= __expf(last - gam[t]);
+    }
+    __syncthreads();
     if (delta) {
       tri_invert<C>(A, Tm, LC);
       __syncthreads();
-      // U = T X, over X once every warp has read it; Y = diag(e^{γ_C − γ}) U.
+      // U = T X, over X once every warp has read it.
       tc_zero<SV>(vs);
       tc_acc<SV>(vs, C, CF_TV, C, ar, xr, false);
       __syncthreads();
-      tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) {
-        X[t * LS + j] = x;
-        Y[t * LS + j] = __expf(last - gam[t]) * x;
-      });
+      tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) { X[t * LS + j] = x; });
       __syncthreads();
     }
     // O = scale e^γ Q S + P U, stored for the chunk's steps and the tile's columns.
@@ -170,11 +181,11 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     tc_each_pair<SV>(o, C, CF_TV, [&](int t, int j, float x, float y) {
       if (t < n) tc_store2(out + (tok0 + (long long)t * H) * dv, v0 + j, dv, x, y);
     });
-    // S ← e^{γ_C} S + Kᵀ Y: each element by the thread whose tile holds it (S is read again only
-    // after the barrier below).
+    // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ U: each element by the thread whose tile holds it
+    // (S is read again only after the barrier below).
     float ks[SS][4];
     tc_zero<SS>(ks);
-    tc_acc<SS>(ks, DK, CF_TV, C, kt, yr, false);
+    tc_acc<SS>(ks, DK, CF_TV, C, kt, xr, false);
     const float decay = __expf(last);
     tc_each<SS>(ks, DK, CF_TV, [&](int r, int j, float x) { S[r * LS + j] = decay * S[r * LS + j] + x; });
     __syncthreads();
