@@ -35,10 +35,6 @@ pub const CHUNKS_FROM_TOKENS: usize = 512;
 /// 8 sequences a calibration pass ran faster on the fused kernel.
 pub const CHUNKS_UP_TO_BLOCKS: usize = 128;
 
-/// Passes of at least this many tokens take the fused op's chunked form where a layer asks for
-/// it ([`Kernel::FusedChunks`]); shorter ones, and decoding steps, walk their tokens in turn.
-pub const FUSED_CHUNKS_FROM_TOKENS: usize = 64;
-
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     b: usize,
@@ -474,6 +470,8 @@ pub enum Kernel {
     /// it ([`Self::fused_in_chunks`]); elsewhere as [`Self::Fused`].
     FusedChunks,
 }
+
+pub use super::fused_block::FUSED_CHUNKS_FROM_TOKENS;
 
 impl Kernel {
     /// The chunked form when a gradient has to flow through the recurrence (the Grad selector,

@@ -1,5 +1,6 @@
 //! The block of the fused (sequential) GPU recurrence (`recurrence_tiled` in
-//! src/ops/cuda/recurrence.cu): its warps, and the state columns each thread holds.
+//! src/ops/cuda/recurrence.cu): its warps, and the state columns each thread holds; and the
+//! length from which the fused op takes its chunked form instead.
 //!
 //! A thread reads a step's q and k from shared memory once for all its columns, and those reads
 //! bound the kernel: two columns a thread read half as much a column, at twice the registers of
@@ -11,6 +12,11 @@
 //! threads a column, keys up to 256 wide), else one.
 
 use candle_core::Result;
+
+/// Passes of at least this many tokens take the fused op's chunked form where a layer asks for
+/// it (`Kernel::FusedChunks`, src/ops/cuda/chunk_fused.cu); shorter ones, and decoding steps,
+/// walk their tokens in turn on the sequential kernel whose block this module picks.
+pub const FUSED_CHUNKS_FROM_TOKENS: usize = 64;
 use std::cell::Cell;
 use std::sync::OnceLock;
 

@@ -148,9 +148,9 @@ const CHUNKED_COLUMNS: usize = 64;
 /// 256), if it takes the chunked form: the caller allows it, the GPU has tensor cores, no
 /// per-channel decay, and at least [`FUSED_CHUNKS_FROM_TOKENS`] steps.
 ///
-/// [`FUSED_CHUNKS_FROM_TOKENS`]: crate::ops::delta_rule::FUSED_CHUNKS_FROM_TOKENS
+/// [`FUSED_CHUNKS_FROM_TOKENS`]: crate::ops::fused_block::FUSED_CHUNKS_FROM_TOKENS
 fn chunked_width(d: &RecurrenceDims, has_gk: bool) -> Option<usize> {
-    let long = d.t >= crate::ops::delta_rule::FUSED_CHUNKS_FROM_TOKENS;
+    let long = d.t >= crate::ops::fused_block::FUSED_CHUNKS_FROM_TOKENS;
     if !(d.chunks && cfg!(tensor_cores) && !has_gk && long) {
         return None;
     }
