@@ -325,7 +325,7 @@ impl LinearAttention {
             initial: prev_state.as_ref(),
         };
         // A 16-bit model's pass that stays on the fused op may take its chunked form (TF32
-        // products, within the bf16 the inputs came in).
+        // products, within the bf16 the inputs came in) where asked for.
         use crate::ops::delta_rule::Kernel;
         let in_chunks =
             fused && !chunks && matches!(mixed.dtype(), DType::BF16 | DType::F16) && Kernel::fused_in_chunks(dev);

@@ -247,7 +247,7 @@ impl Mamba2Mixer {
             initial: prev_state.as_ref(),
         };
         // A 16-bit model's pass without gradients may take the fused op's chunked form (TF32
-        // products, within the bf16 the inputs came in).
+        // products, within the bf16 the inputs came in) where asked for.
         use crate::ops::delta_rule::Kernel;
         let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g])
             && matches!(xbc.dtype(), DType::BF16 | DType::F16)

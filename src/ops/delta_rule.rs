@@ -467,7 +467,8 @@ pub enum Kernel {
     /// The fused op, on GPUs with tensor cores computed in chunks with TF32 products (one CUDA
     /// kernel, `chunk_fused.cu`) for passes of [`FUSED_CHUNKS_FROM_TOKENS`] or more with a decay
     /// per head or none: for the 16-bit models' passes without gradients, whose layers ask for
-    /// it ([`Self::fused_in_chunks`]); elsewhere as [`Self::Fused`].
+    /// it where `STATECUT_RECURRENCE=fused-chunks` ([`Self::fused_in_chunks`]); elsewhere as
+    /// [`Self::Fused`].
     FusedChunks,
 }
 
@@ -481,7 +482,7 @@ impl Kernel {
     /// chunk kernels); otherwise the fused kernel on GPUs (a layer whose long sequences measured
     /// faster on the chunk kernels asks for them: [`Self::chunks_without_gradients`]) and the
     /// sequential kernel on the CPU, where the per-head loop is exact and fast for the model
-    /// sizes that run there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused|fused-chunks` overrides the choice (for
+    /// sizes that run there. `STATECUT_RECURRENCE=sequential|chunked|chunked-kernels|fused` overrides the choice (for
     /// benchmarks and tests).
     pub fn choose(rec: &Recurrence) -> Kernel {
         let tracked = [Some(rec.q), Some(rec.k), Some(rec.v), Some(rec.beta), rec.g, rec.gk, rec.initial]
@@ -523,7 +524,6 @@ impl Kernel {
             Ok("chunked-kernels") => Some(Kernel::ChunkedKernels),
             Ok("sequential") => Some(Kernel::Sequential),
             Ok("fused") => Some(Kernel::Fused),
-            Ok("fused-chunks") => Some(Kernel::FusedChunks),
             _ => None,
         });
         FORCED.with(|f| f.get()).or(from_env)
@@ -545,9 +545,13 @@ impl Kernel {
 
     /// Whether a 16-bit model's recurrence without gradients on `device` should take the fused
     /// op's chunked form (the layer then scopes it to [`Kernel::FusedChunks`]): off the CPU,
-    /// unless `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another kernel.
+    /// where `STATECUT_RECURRENCE=fused-chunks` asks for it. The form is checked against float64
+    /// under the host emulation but not yet timed against the sequential kernel on a GPU, so it
+    /// is not the default.
     pub fn fused_in_chunks(device: &Device) -> bool {
-        !device.is_cpu() && matches!(Self::overridden(), None | Some(Kernel::FusedChunks))
+        static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let asked = *ASKED.get_or_init(|| std::env::var("STATECUT_RECURRENCE").is_ok_and(|v| v == "fused-chunks"));
+        !device.is_cpu() && asked
     }
 
     /// Whether a delta-rule recurrence with gradients on `device`, keys `dk` wide, runs on the
