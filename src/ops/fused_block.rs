@@ -12,13 +12,13 @@
 //! threads a column, keys up to 256 wide), else one.
 
 use candle_core::Result;
+use std::cell::Cell;
+use std::sync::OnceLock;
 
 /// Passes of at least this many tokens take the fused op's chunked form where a layer asks for
 /// it (`Kernel::FusedChunks`, src/ops/cuda/chunk_fused.cu); shorter ones, and decoding steps,
 /// walk their tokens in turn on the sequential kernel whose block this module picks.
 pub const FUSED_CHUNKS_FROM_TOKENS: usize = 64;
-use std::cell::Cell;
-use std::sync::OnceLock;
 
 /// Warps a block and state columns a thread.
 #[derive(Clone, Copy, Debug, PartialEq)]
