@@ -324,11 +324,9 @@ impl LinearAttention {
             rule: Rule::Delta,
             initial: prev_state.as_ref(),
         };
-        // A 16-bit model's pass that stays on the fused op may take its chunked form (TF32
-        // products, within the bf16 the inputs came in) where asked for.
+        // A pass that stays on the fused op may take its chunked form.
         use crate::ops::delta_rule::Kernel;
-        let in_chunks =
-            fused && !chunks && matches!(mixed.dtype(), DType::BF16 | DType::F16) && Kernel::fused_in_chunks(dev);
+        let in_chunks = fused && !chunks && Kernel::fused_in_chunks(dev, mixed.dtype());
         let o = match (chunks, in_chunks) {
             (true, _) => Kernel::scoped(Kernel::ChunkedKernels, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)

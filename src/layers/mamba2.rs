@@ -246,12 +246,9 @@ impl Mamba2Mixer {
             rule: Rule::Plain,
             initial: prev_state.as_ref(),
         };
-        // A 16-bit model's pass without gradients may take the fused op's chunked form (TF32
-        // products, within the bf16 the inputs came in) where asked for.
+        // A pass without gradients may take the fused op's chunked form.
         use crate::ops::delta_rule::Kernel;
-        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g])
-            && matches!(xbc.dtype(), DType::BF16 | DType::F16)
-            && Kernel::fused_in_chunks(xbc.device());
+        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g]) && Kernel::fused_in_chunks(xbc.device(), xbc.dtype());
         let o = match in_chunks {
             true => Kernel::scoped(Kernel::FusedChunks, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))

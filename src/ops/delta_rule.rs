@@ -543,15 +543,16 @@ impl Kernel {
         }
     }
 
-    /// Whether a 16-bit model's recurrence without gradients on `device` should take the fused
-    /// op's chunked form (the layer then scopes it to [`Kernel::FusedChunks`]): off the CPU,
-    /// where `STATECUT_RECURRENCE=fused-chunks` asks for it. The form is checked against float64
-    /// under the host emulation but not yet timed against the sequential kernel on a GPU, so it
-    /// is not the default.
-    pub fn fused_in_chunks(device: &Device) -> bool {
+    /// Whether a layer's recurrence without gradients on `device`, for a model in `dtype`, should
+    /// take the fused op's chunked form (the layer then scopes it to [`Kernel::FusedChunks`]):
+    /// off the CPU, for 16-bit models (its TF32 products are finer than their inputs), where
+    /// `STATECUT_RECURRENCE=fused-chunks` asks for it. The form is checked against float64 under
+    /// the host emulation but not yet timed against the sequential kernel on a GPU, so it is not
+    /// the default.
+    pub fn fused_in_chunks(device: &Device, dtype: DType) -> bool {
         static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let asked = *ASKED.get_or_init(|| std::env::var("STATECUT_RECURRENCE").is_ok_and(|v| v == "fused-chunks"));
-        !device.is_cpu() && asked
+        !device.is_cpu() && matches!(dtype, DType::BF16 | DType::F16) && asked
     }
 
     /// Whether a delta-rule recurrence with gradients on `device`, keys `dk` wide, runs on the

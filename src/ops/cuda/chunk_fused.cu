@@ -16,9 +16,10 @@
 // with the products on mma.sync (TF32 operands, float32 sums), the state in float32. The [C, C]
 // matrices and the solve are made again by each column tile of a head: cheaper than a pass
 // through memory at the widths models have. The next chunk's queries and values are copied in
-// while a chunk's solve, outputs and state update run (its keys once the update has read them). Inputs as `recurrence_tiled`'s, float32 [B, T, H, ·];
-// outputs o [B, T, H, dv] and the final state [B, H, dk, dv] (which may be s0 itself: a block
-// reads its columns of s0 before it writes them).
+// while a chunk's solve, outputs and state update run; its keys, which the update reads last,
+// at the top of its own step. Inputs as `recurrence_tiled`'s, float32 [B, T, H, ·]; outputs o
+// [B, T, H, dv] and the final state [B, H, dk, dv] (which may be s0 itself: a block reads its
+// columns of s0 before it writes them).
 #define CF_TV 64
 
 // Shared memory of chunk_fused_fwd<DK, C>, in floats: Q and K [C, DK + 4] (≡ 4 mod 32: fragment
@@ -29,28 +30,12 @@ template <int DK, int C> struct ChunkFused {
   static constexpr int floats = 2 * C * LK + DK * LS + 2 * C * LS + 3 * C * LC + 2 * C;
 };
 
-// dst[t, c] = src[row(t) + col0 + c] for t < n and col0 + c < width, zero elsewhere up to [rows,
-// cols] (dst's rows `ld` apart, src's `rs`), by 16-byte asynchronous copies where every row is
-// 16-byte aligned, else by single floats. Waited for (__pipeline_wait_prior) before the barrier
-// that publishes it.
-__device__ __forceinline__ void cf_stage(float *dst, int ld, const float *src, long long rs, int col0, int width,
-                                         int n, int rows, int cols) {
-  const bool vec = ((rs | col0 | width) & 3) == 0 && ((uintptr_t)src & 15) == 0;
-  if (vec) {
-    for (int e = threadIdx.x; e < rows * (cols / 4); e += blockDim.x) {
-      const int t = e / (cols / 4), c = e % (cols / 4) * 4;
-      float *d = dst + t * ld + c;
-      if (t < n && col0 + c < width)
-        __pipeline_memcpy_async(d, src + t * rs + col0 + c, 16);
-      else
-        *reinterpret_cast<float4 *>(d) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    return;
-  }
-  for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
-    const int t = e / cols, c = e % cols;
-    dst[t * ld + c] = t < n && col0 + c < width ? src[t * rs + col0 + c] : 0.0f;
-  }
+// dst[t, c] = src[t rs + col0 + c] for t < n and col0 + c < width, zero elsewhere up to [rows,
+// cols] (dst's rows `ld` apart): tc_stage_async over the column tiles, to be waited for
+// (__pipeline_wait_prior) before the barrier that publishes it.
+__device__ __forceinline__ void cf_stage(float *dst, int ld, const float *src, int rs, int col0, int width, int n,
+                                         int rows, int cols) {
+  for (int c = 0; c < cols; c += INTRA_TW) tc_stage_async(src, rs, width, col0 + c, n, rows, dst + c, nullptr, ld);
 }
 
 // acc[s] *= f(row) for every element of the warp's tiles of an M x N product.
@@ -96,8 +81,8 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
   const auto stage_qv = [&](int ci, float *vt) {
     const int t0 = ci * C, n = min(C, T - t0);
     const long long tok0 = ((long long)b * T + t0) * H + h;
-    cf_stage(Qs, LK, q + tok0 * dk, (long long)H * dk, 0, dk, n, C, DK);
-    cf_stage(vt, LS, v + tok0 * dv, (long long)H * dv, v0, dv, n, C, CF_TV);
+    cf_stage(Qs, LK, q + tok0 * dk, H * dk, 0, dk, n, C, DK);
+    cf_stage(vt, LS, v + tok0 * dv, H * dv, v0, dv, n, C, CF_TV);
   };
   stage_qv(0, V0);
   for (int ci = 0; ci < chunks; ++ci) {
@@ -105,7 +90,7 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     const long long tok0 = ((long long)b * T + t0) * H + h;
     float *X = ci & 1 ? V1 : V0, *next = ci & 1 ? V0 : V1;
     const TcView xr{X, LS, 1};
-    cf_stage(Ks, LK, k + tok0 * dk, (long long)H * dk, 0, dk, n, C, DK);
+    cf_stage(Ks, LK, k + tok0 * dk, H * dk, 0, dk, n, C, DK);
     __pipeline_commit();
     if (tid < 32) {
       // β, and γ as an inclusive scan of the chunk's log decays over the warp: each lane sums
@@ -150,7 +135,8 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     float vs[SV][4];
     tc_zero<SV>(vs);
     if (delta) tc_acc<SV>(vs, C, CF_TV, DK, kr, sr, false);
-    tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) { X[t * LS + j] = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x); });
+    tc_each<SV>(vs, C, CF_TV,
+                [&](int t, int j, float x) { X[t * LS + j] = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x); });
     // The outputs' first term, held until U is known: scale e^γ Q S.
     float o[SV][4];
     tc_zero<SV>(o);
