@@ -39,6 +39,8 @@
 #   fchunks  the fused op's forward, sequential (fused) against its chunked form (fused-chunks), at
 #            calibration's, the teachers' and the pruned students' shapes and at short lengths;
 #            the chunked form of the builds in EXTRA too
+#   fdetail  ncu's full section set for one launch of the fused op's chunked form at calibration's
+#            DeltaNet (dk 128) and Gated DeltaNet (dk 256) shapes, as detail's pages
 #   detail   ncu's full section set for one launch of each tensor-core chunk kernel of NEW at
 #            the pruned DeltaNet's shape: the details page as text, the per-instruction source
 #            page (SASS, stall samples) as xz'd CSV
@@ -264,8 +266,22 @@ st_detail() {
   done
 }
 
+st_fdetail() {
+  local D=$1
+  for s in "chunk_fused_fwd_128 8,2048,16,128,128 none" "chunk_fused_fwd_256 8,2048,8,256,256 head"; do
+    set -- $s
+    timeout 120 $NCU --clock-control none --set full --import-source yes -k $1 --launch-count 1 -f -o $W/$1 \
+      /tmp/bins/$NEW/recurrence --shape $2 --decay $3 --iterations 1 --forms fused-chunks > $D/$1.log 2>&1
+    echo "== $1 rc $?"
+    $NCU -i $W/$1.ncu-rep --page details > $D/$1.details.txt 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput" $D/$1.details.txt | head -8
+    $NCU -i $W/$1.ncu-rep --page source --csv --print-source sass > $W/$1.source.csv 2> $D/$1.source.err
+    xz -6 -c $W/$1.source.csv > $D/$1.source.csv.xz
+  done
+}
+
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40 [fdetail]=60)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

@@ -248,7 +248,8 @@ impl Mamba2Mixer {
         };
         // A pass without gradients may take the fused op's chunked form.
         use crate::ops::delta_rule::Kernel;
-        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g]) && Kernel::fused_in_chunks(xbc.device(), xbc.dtype());
+        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g])
+            && Kernel::fused_in_chunks(xbc.device(), xbc.dtype(), (b, h), c.state, p);
         let o = match in_chunks {
             true => Kernel::scoped(Kernel::FusedChunks, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))

@@ -183,15 +183,15 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
   }
 }
 
-// chunk_fused_fwd_{DK}: chunks of 64 tokens, or of 32 for keys 256 wide (whose [C, DK] tiles
-// would not fit beside the state otherwise).
-#define CHUNK_FUSED(DK, C)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256, 1) chunk_fused_fwd_##DK(                                       \
+// chunk_fused_fwd_{DK}: chunks of C tokens, MINB blocks a multiprocessor (recurrence.rs's
+// `chunked_tokens` mirrors C).
+#define CHUNK_FUSED(DK, C, MINB)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(256, MINB) chunk_fused_fwd_##DK(                                    \
       const float *q, const float *k, const float *v, const float *beta, const float *g, const float *s0,       \
       float *out, float *state_out, int T, int H, int dk, int dv, int gated, int delta, float scale) {          \
     chunk_fused_fwd<DK, C>(q, k, v, beta, g, s0, out, state_out, T, H, dk, dv, gated, delta, scale);          \
   }
-CHUNK_FUSED(32, 64)
-CHUNK_FUSED(64, 64)
-CHUNK_FUSED(128, 64)
-CHUNK_FUSED(256, 32)
+CHUNK_FUSED(32, 64, 1)
+CHUNK_FUSED(64, 64, 1)
+CHUNK_FUSED(128, 64, 1)
+CHUNK_FUSED(256, 32, 1)

@@ -157,10 +157,18 @@ fn chunked_width(d: &RecurrenceDims, has_gk: bool) -> Option<usize> {
     [32, 64, 128, 256].into_iter().find(|&w| d.dk <= w)
 }
 
-/// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`): chunks of 64
-/// tokens, of 32 for keys 256 wide.
+/// The chunk length of `chunk_fused_fwd_{width}` (its `CHUNK_FUSED` instance's C).
+fn chunked_tokens(width: usize) -> usize {
+    if width > 128 {
+        32
+    } else {
+        64
+    }
+}
+
+/// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`).
 fn chunked_floats(width: usize) -> usize {
-    let c = if width > 128 { 32 } else { 64 };
+    let c = chunked_tokens(width);
     let (lk, ls, lc) = (width + 4, CHUNKED_COLUMNS + 8, c + 4);
     2 * c * lk + width * ls + 2 * c * ls + 3 * c * lc + 2 * c
 }
