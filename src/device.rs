@@ -56,18 +56,6 @@ impl DeviceSpec {
     }
 }
 
-/// The GPU's multiprocessor count (None on the CPU), which sizes the grids that fill it.
-pub fn multiprocessors(device: &Device) -> Option<usize> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(c) = device {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-        let n = c.cuda_stream().context().attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
-        return n.ok().and_then(|n| usize::try_from(n).ok());
-    }
-    let _ = device;
-    None
-}
-
 /// The device's default memory pool, which candle's stream-ordered allocations draw from.
 #[cfg(feature = "cuda")]
 mod pool {

@@ -326,7 +326,7 @@ impl LinearAttention {
         };
         // A pass that stays on the fused op may take its chunked form.
         use crate::ops::delta_rule::Kernel;
-        let in_chunks = fused && !chunks && Kernel::fused_in_chunks(dev, mixed.dtype(), (b, d.v_heads), d.dk, d.dv);
+        let in_chunks = fused && !chunks && Kernel::fused_in_chunks(dev, mixed.dtype());
         let o = match (chunks, in_chunks) {
             (true, _) => Kernel::scoped(Kernel::ChunkedKernels, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, conv_state)

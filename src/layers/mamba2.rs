@@ -248,8 +248,7 @@ impl Mamba2Mixer {
         };
         // A pass without gradients may take the fused op's chunked form.
         use crate::ops::delta_rule::Kernel;
-        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g])
-            && Kernel::fused_in_chunks(xbc.device(), xbc.dtype(), (b, h), c.state, p);
+        let in_chunks = crate::ops::fusable(&[&xbc, &dt, &g]) && Kernel::fused_in_chunks(xbc.device(), xbc.dtype());
         let o = match in_chunks {
             true => Kernel::scoped(Kernel::FusedChunks, || {
                 crate::model::run_recurrence(&rec, self.layer, obs, cache, Some(conv_state))

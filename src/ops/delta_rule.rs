@@ -544,21 +544,15 @@ impl Kernel {
         }
     }
 
-    /// Whether a layer's recurrence without gradients on `device`, for a model in `dtype`, over
-    /// `b` sequences of `h` heads with keys `dk` and values `dv` wide, should take the fused op's
-    /// chunked form (the layer then scopes it to [`Kernel::FusedChunks`]): off the CPU, for
-    /// 16-bit models (its TF32 products are finer than their inputs), at the shapes where it
-    /// measured faster than the sequential kernel ([`fused_chunks_pay`]), unless
-    /// `STATECUT_RECURRENCE` or [`Self::scoped`] asks for a kernel (`fused-chunks`: this form
-    /// wherever it applies).
-    pub fn fused_in_chunks(device: &Device, dtype: DType, (b, h): (usize, usize), dk: usize, dv: usize) -> bool {
-        if device.is_cpu() || !matches!(dtype, DType::BF16 | DType::F16) {
-            return false;
-        }
-        match Self::overridden() {
-            Some(k) => k == Kernel::FusedChunks,
-            None => fused_chunks_pay((b, h), dk, dv, crate::device::multiprocessors(device)),
-        }
+    /// Whether a layer's recurrence without gradients on `device`, for a model in `dtype`, should
+    /// take the fused op's chunked form (the layer then scopes it to [`Kernel::FusedChunks`]):
+    /// off the CPU, for 16-bit models (its TF32 products are finer than their inputs), unless
+    /// `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another kernel. On an H100 it measured
+    /// faster than the sequential kernel at every shape timed, from one sequence to 64 and key
+    /// widths 64 to 256 (docs/BENCHMARKS.md, "The fused op's chunked form timed").
+    pub fn fused_in_chunks(device: &Device, dtype: DType) -> bool {
+        let wanted = matches!(Self::overridden(), None | Some(Kernel::FusedChunks));
+        !device.is_cpu() && matches!(dtype, DType::BF16 | DType::F16) && wanted
     }
 
     /// Whether a delta-rule recurrence with gradients on `device`, keys `dk` wide, runs on the
@@ -582,16 +576,6 @@ impl Kernel {
 /// [`CHUNKS_FROM_TOKENS`]).
 fn long_and_few((b, t, h): (usize, usize, usize), dv: usize) -> bool {
     t >= CHUNKS_FROM_TOKENS && b * h * dv.div_ceil(32) <= CHUNKS_UP_TO_BLOCKS
-}
-
-/// Where the fused op's chunked form measured faster than the sequential kernel, on an H100
-/// (docs/BENCHMARKS.md, "The fused op's chunked form timed"): keys wider than 128 (its instance
-/// for 256, whose products the sequential kernel walks a token at a time over twice the rows),
-/// at every batch measured; narrower keys only while its grid (B · H · dv/64 blocks of one a
-/// multiprocessor) is at most two waves, beyond which the sequential kernel's smaller blocks
-/// keep the GPU as busy at less work a token. Without the multiprocessor count, keys over 128.
-fn fused_chunks_pay((b, h): (usize, usize), dk: usize, dv: usize, sms: Option<usize>) -> bool {
-    dk > 128 || sms.is_some_and(|n| b * h * dv.div_ceil(64) <= 2 * n)
 }
 
 thread_local! {
@@ -748,21 +732,9 @@ mod tests {
         assert!(!Kernel::chunks_without_gradients(&Device::Cpu, (1, 4096, 16), 128, 128));
     }
 
-    /// The shapes of docs/BENCHMARKS.md's timing, on an H100's 132 multiprocessors, each on the
-    /// side that measured faster.
     #[test]
-    fn fused_chunks_pay_where_they_measured_faster() {
-        let h100 = Some(132);
-        assert!(fused_chunks_pay((8, 8), 256, 256, h100), "Gated DeltaNet 1.3B, calibration");
-        assert!(fused_chunks_pay((16, 8), 256, 256, h100), "Gated DeltaNet 1.3B, the teacher");
-        assert!(fused_chunks_pay((8, 16), 128, 128, h100), "DeltaNet 1.3B, calibration");
-        assert!(fused_chunks_pay((1, 16), 128, 128, h100), "one sequence");
-        assert!(!fused_chunks_pay((16, 16), 128, 128, h100), "DeltaNet 1.3B, the teacher");
-        assert!(!fused_chunks_pay((16, 16), 64, 128, h100), "DeltaNet pruned to 64");
-        assert!(!fused_chunks_pay((16, 8), 128, 256, h100), "Gated DeltaNet pruned to 128");
-        assert!(!fused_chunks_pay((64, 16), 128, 128, h100), "64 short sequences");
-        assert!(!fused_chunks_pay((1, 16), 128, 128, None), "no multiprocessor count");
-        assert!(!Kernel::fused_in_chunks(&Device::Cpu, DType::BF16, (1, 16), 256, 256), "not on the CPU");
+    fn fused_chunks_only_off_the_cpu_for_16_bit_models() {
+        assert!(!Kernel::fused_in_chunks(&Device::Cpu, DType::BF16));
     }
 
     /// The recurrence written with candle tensor ops, one token at a time (independent check).

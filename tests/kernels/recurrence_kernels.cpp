@@ -179,15 +179,15 @@ int main() {
   decays<24, 4>(72, 9);
   decays<16, 2>(40, 12);
   decays<32, 8>(48, 1);
-  // The chunked form: dk 128 over two chunks and a part (T 150), dv 80 (the second column tile
-  // mostly past dv); dk 64 with the state in place; dk 48 padded to 64, one step; dk 96 padded
-  // to 128 over exactly one chunk; dk 30 (rows not a multiple of four: staged by single floats)
-  // padded to 32; dk 256 in chunks of 32 with dv 48.
-  chunk_forms<128, 64>(128, 80, 150);
-  chunk_forms<64, 64>(64, 64, 70, true);
-  chunk_forms<64, 64>(48, 40, 1);
-  chunk_forms<128, 64>(96, 64, 64);
-  chunk_forms<32, 64>(30, 36, 33);
-  chunk_forms<256, 32>(256, 48, 45);
+  // The chunked form (chunks of CF_C = 32 tokens): dk 128 over four chunks and a part (T 150),
+  // dv 80 (the second column tile mostly past dv); dk 64 with the state in place; dk 48 padded to
+  // 64, one step; dk 96 padded to 128 over exactly two chunks; dk 30 (rows not a multiple of
+  // four: staged by single floats) padded to 32, one chunk and a step; dk 256 with dv 48.
+  chunk_forms<128, CF_C>(128, 80, 150);
+  chunk_forms<64, CF_C>(64, 64, 70, true);
+  chunk_forms<64, CF_C>(48, 40, 1);
+  chunk_forms<128, CF_C>(96, 64, 64);
+  chunk_forms<32, CF_C>(30, 36, 33);
+  chunk_forms<256, CF_C>(256, 48, 45);
   return failures ? 1 : 0;
 }

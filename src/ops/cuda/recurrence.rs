@@ -157,18 +157,12 @@ fn chunked_width(d: &RecurrenceDims, has_gk: bool) -> Option<usize> {
     [32, 64, 128, 256].into_iter().find(|&w| d.dk <= w)
 }
 
-/// The chunk length of `chunk_fused_fwd_{width}` (its `CHUNK_FUSED` instance's C).
-fn chunked_tokens(width: usize) -> usize {
-    if width > 128 {
-        32
-    } else {
-        64
-    }
-}
+/// Tokens a chunk of `chunk_fused_fwd_*` (`CF_C` in chunk_fused.cu).
+const CHUNKED_TOKENS: usize = 32;
 
 /// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`).
 fn chunked_floats(width: usize) -> usize {
-    let c = chunked_tokens(width);
+    let c = CHUNKED_TOKENS;
     let (lk, ls, lc) = (width + 4, CHUNKED_COLUMNS + 8, c + 4);
     2 * c * lk + width * ls + 2 * c * ls + 3 * c * lc + 2 * c
 }
