@@ -1,6 +1,6 @@
 //! The block of the fused (sequential) GPU recurrence (`recurrence_tiled` in
 //! src/ops/cuda/recurrence.cu): its warps, and the state columns each thread holds; and the
-//! length from which the fused op takes its chunked form instead.
+//! length from which the fused op takes its chunked form instead, and that form's instance.
 //!
 //! A thread reads a step's q and k from shared memory once for all its columns, and those reads
 //! bound the kernel: two columns a thread read half as much a column, at twice the registers of
@@ -19,6 +19,29 @@ use std::sync::OnceLock;
 /// it (`Kernel::FusedChunks`, src/ops/cuda/chunk_fused.cu); shorter ones, and decoding steps,
 /// walk their tokens in turn on the sequential kernel whose block this module picks.
 pub const FUSED_CHUNKS_FROM_TOKENS: usize = 64;
+
+/// Tokens a chunk of the chunked form (`CF_C` in chunk_fused.cu).
+pub const CHUNKED_TOKENS: usize = 32;
+/// State columns a block of the chunked form holds (`CF_TV`).
+pub const CHUNKED_COLUMNS: usize = 64;
+
+/// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`).
+pub fn chunked_floats(width: usize) -> usize {
+    let c = CHUNKED_TOKENS;
+    let (lk, ls, lc) = (width + 4, CHUNKED_COLUMNS + 8, c + 4);
+    2 * c * lk + width * ls + 2 * c * ls + 3 * c * lc + 2 * c
+}
+
+/// The key width of the chunked form's instance for `t` steps of keys `dk` wide (dk padded up to
+/// 32, 64, 128 or 256), if that form applies: no per-channel decay, at least
+/// [`FUSED_CHUNKS_FROM_TOKENS`] steps, and the instance's shared memory within the `smem` bytes a
+/// block may have on the GPU (else the sequential kernel, e.g. for keys 256 wide on an A100).
+pub fn chunked_width(dk: usize, t: usize, per_channel: bool, smem: usize) -> Option<usize> {
+    if per_channel || t < FUSED_CHUNKS_FROM_TOKENS {
+        return None;
+    }
+    [32, 64, 128, 256].into_iter().find(|&w| dk <= w).filter(|&w| 4 * chunked_floats(w) <= smem)
+}
 
 /// Warps a block and state columns a thread.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -73,6 +96,33 @@ fn from_env() -> Option<Block> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The instances of keys up to 128 wide are launched two a multiprocessor
+    /// (`__launch_bounds__(256, 2)`): two blocks' shared memory, each with the 1 KiB the driver
+    /// reserves, fit an H100's 228 KiB; keys 256 wide fit one.
+    #[test]
+    fn narrow_chunked_instances_fit_two_a_multiprocessor() {
+        for w in [32, 64, 128] {
+            assert!(2 * (4 * chunked_floats(w) + 1024) <= 228 * 1024, "width {w}");
+        }
+        assert!(4 * chunked_floats(256) <= 227 * 1024);
+    }
+
+    /// The narrowest instance that holds the keys; one that needs more shared memory than a block
+    /// may have leaves the pass to the sequential kernel, as do per-channel decays and short passes.
+    #[test]
+    fn chunked_instances_by_key_width_and_shared_memory() {
+        let (h100, a100, small) = (227 * 1024, 163 * 1024, 99 * 1024);
+        assert_eq!(chunked_width(256, 2048, false, h100), Some(256));
+        assert_eq!(chunked_width(256, 2048, false, a100), None);
+        assert_eq!(chunked_width(96, 2048, false, a100), Some(128));
+        assert_eq!(chunked_width(128, 2048, false, small), None);
+        assert_eq!(chunked_width(48, 2048, false, small), Some(64));
+        assert_eq!(chunked_width(30, 2048, false, small), Some(32));
+        assert_eq!(chunked_width(512, 2048, false, h100), None, "keys wider than 256");
+        assert_eq!(chunked_width(128, 2048, true, h100), None, "per-channel decay");
+        assert_eq!(chunked_width(128, FUSED_CHUNKS_FROM_TOKENS - 1, false, h100), None, "a short pass");
+    }
 
     #[test]
     fn two_columns_a_thread_where_the_block_fills_dv() {

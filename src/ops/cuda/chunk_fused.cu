@@ -183,11 +183,11 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
   }
 }
 
-// chunk_fused_fwd_{DK}: chunks of CF_C tokens (recurrence.rs's `CHUNKED_TOKENS`), MINB blocks a
-// multiprocessor. At 32 tokens the blocks of keys up to 128 wide fit two a multiprocessor (at most
-// 103 KB of shared memory), whose serial steps (the scan, the solve, the barriers) then overlap:
-// on an H100 that measured 1.1-1.3x faster than one block of 64-token chunks. Keys 256 wide keep
-// one (173 KB).
+// chunk_fused_fwd_{DK}: chunks of CF_C tokens (ops::fused_block's `CHUNKED_TOKENS`), MINB
+// blocks a multiprocessor. At 32 tokens the blocks of keys up to 128 wide fit two a
+// multiprocessor (at most 103 KB of shared memory), whose serial steps (the scan, the solve, the
+// barriers) then overlap: on an H100 that measured 1.1-1.3x faster than one block of 64-token
+// chunks. Keys 256 wide keep one (173 KB).
 #define CF_C 32
 #define CHUNK_FUSED(DK, MINB)                                                                                     \
   extern "C" __global__ void __launch_bounds__(256, MINB) chunk_fused_fwd_##DK(                                    \

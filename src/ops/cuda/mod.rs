@@ -134,6 +134,14 @@ pub fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout, what: &str) -> Res
     }
 }
 
+/// The most shared memory a block may ask for on `dev` (227 KiB on an H100 or H200, 163 KiB on
+/// an A100, 99 KiB on most other GPUs), for kernels that have a form which needs less.
+fn shared_memory_limit(dev: &CudaDevice) -> usize {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    let optin = A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    dev.cuda_stream().context().attribute(optin).map_or(48 * 1024, |b| b.max(0) as usize)
+}
+
 /// Allow `func` up to `bytes` of dynamic shared memory (above the default 48 KiB on request).
 fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;

@@ -1,7 +1,7 @@
 //! Launcher of the recurrence without gradients: the sequential kernels (`recurrence.cu`), or
 //! for 16-bit models' longer passes the chunked form (`chunk_fused.cu`).
 
-use super::{function, shared_memory, view};
+use super::{function, shared_memory, shared_memory_limit, view};
 use crate::ops::fused_block::{self, Block};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -60,12 +60,12 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
     let state_out = if in_place { s0.slice(..) } else { out.slice(n_o..) };
-    if let Some(width) = chunked_width(d, has_gk) {
-        let bytes = 4 * chunked_floats(width);
+    if let Some(width) = chunked_width(d, has_gk, shared_memory_limit(&dev)) {
+        let bytes = 4 * fused_block::chunked_floats(width);
         let func = function(&dev, &format!("chunk_fused_fwd_{width}"))?;
         shared_memory(&func, bytes)?;
         let cfg = LaunchConfig {
-            grid_dim: (d.dv.div_ceil(CHUNKED_COLUMNS) as u32, (d.b * d.h) as u32, 1),
+            grid_dim: (d.dv.div_ceil(fused_block::CHUNKED_COLUMNS) as u32, (d.b * d.h) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: bytes as u32,
         };
@@ -141,28 +141,9 @@ fn rows_override(dk: usize) -> Option<usize> {
     (dk.is_multiple_of(rows) && (dk / rows).is_power_of_two() && dk / rows <= 32).then_some(rows)
 }
 
-/// State columns a block of the chunked form holds (`CF_TV` in chunk_fused.cu).
-const CHUNKED_COLUMNS: usize = 64;
-
-/// The key width of the chunked form's instance for this launch (dk padded up to 32, 64, 128 or
-/// 256), if it takes the chunked form: the caller allows it, the GPU has tensor cores, no
-/// per-channel decay, and at least [`FUSED_CHUNKS_FROM_TOKENS`] steps.
-///
-/// [`FUSED_CHUNKS_FROM_TOKENS`]: crate::ops::fused_block::FUSED_CHUNKS_FROM_TOKENS
-fn chunked_width(d: &RecurrenceDims, has_gk: bool) -> Option<usize> {
-    let long = d.t >= crate::ops::fused_block::FUSED_CHUNKS_FROM_TOKENS;
-    if !(d.chunks && cfg!(tensor_cores) && !has_gk && long) {
-        return None;
-    }
-    [32, 64, 128, 256].into_iter().find(|&w| d.dk <= w)
-}
-
-/// Tokens a chunk of `chunk_fused_fwd_*` (`CF_C` in chunk_fused.cu).
-const CHUNKED_TOKENS: usize = 32;
-
-/// The shared memory of `chunk_fused_fwd_{width}` in floats (`ChunkFused<DK, C>`).
-fn chunked_floats(width: usize) -> usize {
-    let c = CHUNKED_TOKENS;
-    let (lk, ls, lc) = (width + 4, CHUNKED_COLUMNS + 8, c + 4);
-    2 * c * lk + width * ls + 2 * c * ls + 3 * c * lc + 2 * c
+/// The key width of the chunked form's instance for this launch, if it takes the chunked form:
+/// the caller allows it, the GPU has tensor cores, and [`fused_block::chunked_width`] has one
+/// within the `smem` bytes a block may have.
+fn chunked_width(d: &RecurrenceDims, has_gk: bool, smem: usize) -> Option<usize> {
+    (d.chunks && cfg!(tensor_cores)).then(|| fused_block::chunked_width(d.dk, d.t, has_gk, smem)).flatten()
 }
