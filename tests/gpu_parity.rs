@@ -82,13 +82,12 @@ fn check_dir(name: &str, dir: &std::path::Path) {
         .get("logits_bf16_kernel")
         .or(golden.get("logits_bf16"))
         .map(|up| common::rel_err(&flat(up), &flat(&golden["logits"])));
-    // The default kernels (the fused op, in chunks where they measured faster), the sequential
-    // fused kernel, the fused op's chunked form (TF32 products from 64 tokens), then the chunk
-    // kernels on tensor cores that long sequences of few sequences take.
+    // The default kernels (the fused op, in chunks on tensor cores from 64 tokens), the fused op's
+    // sequential kernel, then the chunk kernels on tensor cores that long sequences of few
+    // sequences take.
     for (label, kernel) in [
         ("", None),
-        (" on the sequential fused kernel", Some(Kernel::Fused)),
-        (" with the fused op in chunks", Some(Kernel::FusedChunks)),
+        (" on the sequential kernel", Some(Kernel::Fused)),
         (" on the chunk kernels", Some(Kernel::ChunkedKernels)),
     ] {
         let run = || bf16.forward(&ids_gpu, &mut NoObserver);

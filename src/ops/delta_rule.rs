@@ -467,8 +467,7 @@ pub enum Kernel {
     /// The fused op, on GPUs with tensor cores computed in chunks with TF32 products (one CUDA
     /// kernel, `chunk_fused.cu`) for passes of [`FUSED_CHUNKS_FROM_TOKENS`] or more with a decay
     /// per head or none: for the 16-bit models' passes without gradients, whose layers ask for
-    /// it at the shapes where it measured faster ([`Self::fused_in_chunks`]); elsewhere as
-    /// [`Self::Fused`].
+    /// it ([`Self::fused_in_chunks`]); elsewhere as [`Self::Fused`].
     FusedChunks,
 }
 
@@ -733,7 +732,7 @@ mod tests {
     }
 
     #[test]
-    fn fused_chunks_only_off_the_cpu_for_16_bit_models() {
+    fn no_fused_chunks_on_the_cpu() {
         assert!(!Kernel::fused_in_chunks(&Device::Cpu, DType::BF16));
     }
 

@@ -34,13 +34,15 @@ pub fn chunked_floats(width: usize) -> usize {
 
 /// The key width of the chunked form's instance for `t` steps of keys `dk` wide (dk padded up to
 /// 32, 64, 128 or 256), if that form applies: no per-channel decay, at least
-/// [`FUSED_CHUNKS_FROM_TOKENS`] steps, and the instance's shared memory within the `smem` bytes a
-/// block may have on the GPU (else the sequential kernel, e.g. for keys 256 wide on an A100).
-pub fn chunked_width(dk: usize, t: usize, per_channel: bool, smem: usize) -> Option<usize> {
+/// [`FUSED_CHUNKS_FROM_TOKENS`] steps, and the instance's shared memory within the bytes a block
+/// may have on the GPU, `smem()` (else the sequential kernel, e.g. for keys 256 wide on an A100),
+/// asked only once the rest holds: decoding steps pass here every token.
+pub fn chunked_width(dk: usize, t: usize, per_channel: bool, smem: impl FnOnce() -> usize) -> Option<usize> {
     if per_channel || t < FUSED_CHUNKS_FROM_TOKENS {
         return None;
     }
-    [32, 64, 128, 256].into_iter().find(|&w| dk <= w).filter(|&w| 4 * chunked_floats(w) <= smem)
+    let width = [32, 64, 128, 256].into_iter().find(|&w| dk <= w)?;
+    (4 * chunked_floats(width) <= smem()).then_some(width)
 }
 
 /// Warps a block and state columns a thread.
@@ -112,7 +114,7 @@ mod tests {
     /// may have leaves the pass to the sequential kernel, as do per-channel decays and short passes.
     #[test]
     fn chunked_instances_by_key_width_and_shared_memory() {
-        let (h100, a100, small) = (227 * 1024, 163 * 1024, 99 * 1024);
+        let (h100, a100, small) = (|| 227 * 1024, || 163 * 1024, || 99 * 1024);
         assert_eq!(chunked_width(256, 2048, false, h100), Some(256));
         assert_eq!(chunked_width(256, 2048, false, a100), None);
         assert_eq!(chunked_width(96, 2048, false, a100), Some(128));

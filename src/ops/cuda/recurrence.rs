@@ -6,7 +6,7 @@ use crate::ops::fused_block::{self, Block};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaStorage, Layout, Result, Shape};
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape};
 use std::sync::OnceLock;
 
 /// Sizes of one recurrence launch (see `recurrence` in recurrence.cu).
@@ -60,7 +60,7 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     // SAFETY: every element is written by the kernel (outputs for all (b,t,h,j), all of the state).
     let out = unsafe { dev.alloc::<f32>(n)? };
     let state_out = if in_place { s0.slice(..) } else { out.slice(n_o..) };
-    if let Some(width) = chunked_width(d, has_gk, shared_memory_limit(&dev)) {
+    if let Some(width) = chunked_width(d, has_gk, &dev) {
         let bytes = 4 * fused_block::chunked_floats(width);
         let func = function(&dev, &format!("chunk_fused_fwd_{width}"))?;
         shared_memory(&func, bytes)?;
@@ -143,7 +143,10 @@ fn rows_override(dk: usize) -> Option<usize> {
 
 /// The key width of the chunked form's instance for this launch, if it takes the chunked form:
 /// the caller allows it, the GPU has tensor cores, and [`fused_block::chunked_width`] has one
-/// within the `smem` bytes a block may have.
-fn chunked_width(d: &RecurrenceDims, has_gk: bool, smem: usize) -> Option<usize> {
-    (d.chunks && cfg!(tensor_cores)).then(|| fused_block::chunked_width(d.dk, d.t, has_gk, smem)).flatten()
+/// within the shared memory a block of `dev` may have.
+fn chunked_width(d: &RecurrenceDims, has_gk: bool, dev: &CudaDevice) -> Option<usize> {
+    if !(d.chunks && cfg!(tensor_cores)) {
+        return None;
+    }
+    fused_block::chunked_width(d.dk, d.t, has_gk, || shared_memory_limit(dev))
 }
