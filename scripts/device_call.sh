@@ -57,7 +57,10 @@ R=${OUT:-/tmp/out}; W=/tmp/device_call; mkdir -p "$R"; rm -rf $W /tmp/bins /tmp/
 # A bundle may hold several builds (one xz archive dedupes their shared kernels): a build that
 # an earlier bundle brought needs no bundle of its own.
 for b in $NEW $OLD; do
-  [ -d /tmp/bins/$b ] || xz -dc "$BUNDLES/$b/bins.tar.xz" | tar -x -C /tmp/bins || exit 1
+  [ -d /tmp/bins/$b ] && continue
+  if [ -f "$BUNDLES/$b/bins.tar.xz" ]; then xz -dc "$BUNDLES/$b/bins.tar.xz" | tar -x -C /tmp/bins || exit 1
+  else for f in "$BUNDLES"/*/bins.tar.xz; do [ -d /tmp/bins/$b ] || xz -dc "$f" | tar -x -C /tmp/bins; done; fi
+  [ -d /tmp/bins/$b ] || { echo "no bundle holds the build $b"; exit 1; }
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$COMMON"/whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site

@@ -30,6 +30,8 @@
 #                         BUNDLE holds statecut_before.xz (another build), for it too, taking turns:
 #                         the profile of 32 x 2048 tokens, then prune's stage times for 128 x 2048
 #                         tokens; logs and stage seconds as calib_{profile,full}_{after,before}_NAME.*
+#                         CALIB_KINDS narrows the runs (profile, full); CALIB_BATCH=N adds a full run
+#                         of statecut with --batch-size N (calib_full_after_bN_NAME.*)
 #   jit:NAME              where a pass's fixed cost goes: candle's own kernels are PTX, which the
 #                         driver compiles when a process first loads them unless its compute cache
 #                         holds them; the profile of 8 x 2048 tokens with the cache off, then cold and
@@ -239,14 +241,16 @@ EOF2
       # A fresh machine's first run pays one-off loading (10 s of it in the first MLP): warm up.
       $SC prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples 2 --seqlen 2048 --device cuda \
         --dtype bf16 -q -o $CK/$name-calib > /dev/null 2>&1; rm -rf $CK/$name-calib
-      for kind in profile full; do
-        for which in $bins; do
+      for kind in ${CALIB_KINDS:-profile full}; do
+        runs=$bins; [ $kind = full ] && [ -n "${CALIB_BATCH:-}" ] && runs="$bins after_b$CALIB_BATCH"
+        for which in $runs; do
           bin=$SC; [ $which = before ] && bin=/tmp/statecut_before
+          batch=""; [ "$which" != "${which#after_b}" ] && batch="--batch-size ${which#after_b}"
           n=128; envs=""; [ $kind = profile ] && n=32 && envs=STATECUT_PROFILE=1
           log="$OUT/calib_${kind}_${which}_$name"
           rm -rf $CK/$name-calib
           env $envs $bin prune -m $CK/$name --method drrqr --ratio 0.5 --calib "$DATA" --nsamples $n --seqlen 2048 \
-            --device cuda --dtype bf16 -q -o $CK/$name-calib > "$log.log" 2>&1
+            --device cuda --dtype bf16 $batch -q -o $CK/$name-calib > "$log.log" 2>&1
           echo "calib $kind $which rc $?"
           python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['seconds']))" \
             $CK/$name-calib/statecut_report.json > "$log.seconds.json" && cat "$log.seconds.json"

@@ -86,6 +86,17 @@ __device__ __forceinline__ bool tc_quad(int M, int N, int &m0, int &n0) {
   return true;
 }
 
+// Whether an M x N product has eight tiles a warp that block four down and two across, and if so
+// the corner of the warp's 64 x 16 block of them: a step of K then reads four fragments of A and
+// two of B for eight products, where tile by tile each product read one of each.
+__device__ __forceinline__ bool tc_oct(int M, int N, int &m0, int &n0) {
+  const int w = threadIdx.x / 32, tm = M / 16, tn = N / 8;
+  if (tm * tn != 8 * TC_WARPS || tm % 4 != 0 || tn % 2 != 0 || (tm / 4) * (tn / 2) != TC_WARPS) return false;
+  m0 = w / (tn / 2) * 64;
+  n0 = w % (tn / 2) * 16;
+  return true;
+}
+
 // Whether an M x N product has two tiles a warp in one column of tiles (tiles w and w + 8 of
 // tc_tile's order), and if so their rows and column: a step of K then reads B's fragment once
 // for both.
@@ -103,6 +114,12 @@ __device__ __forceinline__ bool tc_pair(int M, int N, int &m0, int &m1, int &n0)
 __device__ __forceinline__ bool tc_tile(int M, int N, int s, int &m0, int &n0) {
   if (tc_quad(M, N, m0, n0)) {
     if (s >= 4) return false;
+    m0 += s / 2 * 16;
+    n0 += s % 2 * 8;
+    return true;
+  }
+  if (tc_oct(M, N, m0, n0)) {
+    if (s >= 8) return false;
     m0 += s / 2 * 16;
     n0 += s % 2 * 8;
     return true;
@@ -130,7 +147,8 @@ __device__ __forceinline__ void tc_acc_shared(float acc[S][4], const int (&m)[RM
       row[i] = row[i] || on[i][j];
       col[j] = col[j] || on[i][j];
     }
-#pragma unroll 1
+  // Two steps of K in flight: the next step's fragment loads overlap this step's products.
+#pragma unroll 2
   for (int k0 = 0; k0 < K; k0 += 8) {
     unsigned fa[RM][4], fb[RN][2];
 #pragma unroll
@@ -155,6 +173,8 @@ __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcV
   int q0, q1, p0;
   if (S >= 4 && tc_quad(M, N, q0, p0))
     return tc_acc_shared<2, 2, S>(acc, {q0, q0 + 16}, {p0, p0 + 8}, K, a, b, lower);
+  if (S >= 8 && tc_oct(M, N, q0, p0))
+    return tc_acc_shared<4, 2, S>(acc, {q0, q0 + 16, q0 + 32, q0 + 48}, {p0, p0 + 8}, K, a, b, lower);
   if (S >= 2 && tc_pair(M, N, q0, q1, p0)) return tc_acc_shared<2, 1, S>(acc, {q0, q1}, {p0}, K, a, b, lower);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
