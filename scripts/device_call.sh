@@ -152,7 +152,9 @@ st_budget() { recover_rounds $1 "--train-memory 45GiB"; }
 st_fla() {
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   for s in 16,2048,16,64,128 16,2048,16,128,128; do
-    timeout 120 python3 scripts/recurrence_reference.py --shape $s --decay none --iterations 5 --grad seed >> $1/fla.jsonl 2>> $1/fla.log
+    # fla's first launches compile its Triton kernels (a minute or more on a fresh machine): within LIMIT.
+    local t=$(( $(left) - 15 )); [ $t -gt 120 ] && t=120; [ $t -lt 10 ] && break
+    timeout $t python3 scripts/recurrence_reference.py --shape $s --decay none --iterations 5 --grad seed >> $1/fla.jsonl 2>> $1/fla.log
     /tmp/bins/$NEW/recurrence --shape $s --decay none --iterations 5 --forms chunked-kernels --grad seed >> $1/statecut.jsonl 2>> $1/statecut.log
   done
   python3 - $1 <<'PY'
