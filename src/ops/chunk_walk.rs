@@ -20,7 +20,7 @@
 //!   dK_i = diag(e_i) dKend_i,  de_i = rowsum(K_i ∘ dKend_i)
 //! (the GPU splits the state's columns over blocks, which could only add those sums up per tile).
 
-pub(crate) use super::launch::{WalkDims, MAX_DK};
+pub(crate) use super::launch::WalkDims;
 use super::{cpu_f32, cpu_slice as slice};
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;

@@ -490,12 +490,13 @@ impl Kernel {
             .any(Tensor::track_op)
             && !super::no_gradients();
         let gpu = !rec.q.device().is_cpu();
-        // Off the CPU the chunked form walks its chunks in statecut's own kernels, whose state
-        // tiles hold up to `MAX_WALK_DK` key rows.
-        let walkable = gpu && rec.q.dim(3).is_ok_and(|dk| dk <= super::chunk_walk::MAX_DK);
-        let chunked = if walkable { Kernel::ChunkedKernels } else { Kernel::Chunked };
+        // Asked only where a chunked form is chosen, not on every decoding step.
+        let chunked = || match rec.q.dim(3).is_ok_and(|dk| walkable(rec.q.device(), dk)) {
+            true => Kernel::ChunkedKernels,
+            false => Kernel::Chunked,
+        };
         let choice = Self::overridden().unwrap_or(if tracked {
-            chunked
+            chunked()
         } else if rec.q.device().is_cpu() {
             Kernel::Sequential
         } else {
@@ -506,7 +507,7 @@ impl Kernel {
             // kernel keeps at most 32 x 32 key rows of a state column in registers.
             Kernel::Fused | Kernel::FusedChunks if tracked || rec.q.dim(3).is_ok_and(|dk| dk > MAX_FUSED_DK) => {
                 if gpu {
-                    chunked
+                    chunked()
                 } else {
                     Kernel::Sequential
                 }
@@ -536,7 +537,7 @@ impl Kernel {
     /// long sequences too few to fill the GPU ([`CHUNKS_FROM_TOKENS`], [`CHUNKS_UP_TO_BLOCKS`]),
     /// unless `STATECUT_RECURRENCE` or [`Self::scoped`] asks for a kernel.
     pub fn chunks_without_gradients(device: &Device, (b, t, h): (usize, usize, usize), dk: usize, dv: usize) -> bool {
-        let walkable = !device.is_cpu() && dk <= super::chunk_walk::MAX_DK;
+        let walkable = walkable(device, dk);
         match Self::overridden() {
             Some(k) => walkable && k == Kernel::ChunkedKernels,
             None => walkable && long_and_few((b, t, h), dv),
@@ -558,8 +559,9 @@ impl Kernel {
     /// chunk kernels (what [`Self::choose`] picks for tracked inputs there, unless
     /// `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another form).
     pub fn chunk_kernels_with_gradients(device: &Device, dk: usize) -> bool {
-        let walkable = !device.is_cpu() && dk <= super::chunk_walk::MAX_DK;
-        walkable && !super::no_gradients() && matches!(Self::overridden(), None | Some(Kernel::ChunkedKernels))
+        walkable(device, dk)
+            && !super::no_gradients()
+            && matches!(Self::overridden(), None | Some(Kernel::ChunkedKernels))
     }
 
     /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).
@@ -568,6 +570,21 @@ impl Kernel {
         let out = f();
         FORCED.with(|c| c.set(before));
         out
+    }
+}
+
+/// Whether the chunked form walks its chunks in statecut's own kernels on `device` for keys `dk`
+/// wide: on a CUDA GPU, keys within the state tiles' `launch::MAX_DK` rows, and every chunk kernel's
+/// shared memory within what the GPU gives a block (an A100 takes keys up to 128 wide). Elsewhere
+/// the composed form runs.
+fn walkable(device: &Device, dk: usize) -> bool {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => super::cuda::chunk_kernels_fit(dev, dk),
+        _ => {
+            let _ = dk;
+            false
+        }
     }
 }
 

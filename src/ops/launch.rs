@@ -71,10 +71,11 @@ impl HeadsDst {
 }
 
 /// State columns per GPU block (see `chunk_walk_*` in cuda/chunk_walk.cu).
-#[cfg(feature = "cuda")]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const TILE: usize = 32;
 /// The widest key the GPU kernels take: a block holds its tile of the state and of G in shared
 /// memory.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const MAX_DK: usize = 256;
 
 /// Columns per row of the distillation loss op's output (ce, kl, then the log-sum-exps of the
@@ -95,6 +96,81 @@ pub(crate) struct WalkDims {
     /// Whether the GPU may run the products on tensor cores (TF32 operands, float32 sums): the
     /// recurrence's inputs were bf16 or f16, so their rounding already exceeds TF32's.
     pub tensor: bool,
+}
+
+/// Row stride of the tensor-core walk's state tiles (`TC_SW` in chunk_*.cu).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const TC_STATE_STRIDE: usize = 40;
+
+/// A [64, `TC_TB`] tile of the tensor-core kernels, for tiles a loop reads only by rows as B.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const TC_B_TILE: usize = 64 * 40;
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl WalkDims {
+    /// A walk kernel's shared memory in bytes, in its tensor-core form (`tc`) or its float32 one:
+    /// the state's (G's) and U's (dU's) column tiles, then one chunk's staged keys (from a 16-byte
+    /// boundary; on tensor cores 64 rows of Kc and of K, each at its own padded stride, dk + 4 and
+    /// dk + 8, then their 64 scales; the backward's [64, 4] row sums sit in dU's padding).
+    pub fn shared_bytes(&self, tc: bool) -> usize {
+        if tc {
+            return ((self.dk + 64) * TC_STATE_STRIDE + 64 * (2 * self.dk + 12) + 64) * 4;
+        }
+        (((self.dk + self.c) * (TILE + 1)).next_multiple_of(4) + self.c * self.kk_width()) * 4
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl IntraDims {
+    /// The intra-chunk solve's shared memory in bytes: its [c, c] matrices at row stride 65 (two
+    /// forward, four backward), one or two column tiles, and its per-token scalars (three, five).
+    /// On tensor cores the strides are 68 and 36 or 40 (`TC_TB`, for tiles read by rows as B),
+    /// with two tiles each way and three backward matrices, the backward's third in room for two
+    /// more tiles.
+    pub fn shared_bytes(backward: bool, tc: bool) -> usize {
+        let (sq, tile) = if tc { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
+        match (backward, tc) {
+            (true, true) => 4 * (2 * sq + (tile + TC_B_TILE).max(sq) + tile + TC_B_TILE + 5 * 64),
+            (true, false) => 4 * (4 * sq + 2 * tile + 5 * 64),
+            (false, true) => 4 * (2 * sq + 2 * TC_B_TILE + 3 * 64),
+            (false, false) => 4 * (2 * sq + tile + 3 * 64),
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl OutDims {
+    /// The chunk outputs' shared memory in bytes: P (and the backward's E ∘ D) at row stride 65,
+    /// two column tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and
+    /// 36 or 40 (`TC_TB`), with a second forward scalar and a second pair of tiles: the forward's B
+    /// tiles and all the backward's at 40.
+    pub fn shared_bytes(backward: bool, tc: bool) -> usize {
+        let (sq, tile) = if tc { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
+        4 * match (backward, tc) {
+            (true, true) => 2 * sq + 4 * TC_B_TILE + 3 * 64,
+            (false, true) => sq + 2 * tile + 2 * TC_B_TILE + 2 * 64,
+            (true, false) => 2 * sq + 2 * tile + 3 * 64,
+            (false, false) => sq + 2 * tile + 64,
+        }
+    }
+}
+
+/// Whether the chunk kernels for keys `dk` wide (chunks of 64) fit blocks of `limit` bytes of
+/// shared memory, in every form the build has (`tc`: the tensor-core forms too): the delta rule's
+/// walk, whose staged keys are twice the plain rule's, the solve and the outputs. Keys 256 wide
+/// need 186 KB in the walk's tensor-core form, past an A100's 163 KiB; up to 128 wide they fit
+/// the 99 KiB of most other GPUs.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn chunk_kernels_fit(dk: usize, tc: bool, limit: usize) -> bool {
+    let walk = WalkDims { n: 1, bh: 1, c: 64, dk, dv: TILE, delta: true, tensor: tc };
+    let mut need = walk.shared_bytes(false);
+    for form in [false, tc] {
+        need = need.max(IntraDims::shared_bytes(true, form)).max(OutDims::shared_bytes(true, form));
+        if form && dk.is_multiple_of(16) {
+            need = need.max(walk.shared_bytes(true));
+        }
+    }
+    dk <= MAX_DK && need <= limit
 }
 
 /// Sizes of one intra-chunk solve: N chunks of C tokens for BH heads.
@@ -164,4 +240,29 @@ pub(crate) fn join_width(dqk: usize, dkend: usize, scales: usize, solve: Option<
         );
     }
     Ok(dk)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The blocks' shared memory a GPU allows (opt-in): H100/H200, A100, most others.
+    const H100: usize = 227 * 1024;
+    const A100: usize = 163 * 1024;
+    const SMALL: usize = 99 * 1024;
+
+    #[test]
+    fn chunk_kernels_fit_the_gpus_they_can() {
+        for tc in [true, false] {
+            assert!(chunk_kernels_fit(256, tc, H100), "keys 256 wide on an H100 (tensor cores: {tc})");
+            assert!(!chunk_kernels_fit(256, tc, A100), "keys 256 wide need more than an A100 gives");
+            assert!(chunk_kernels_fit(128, tc, A100) && chunk_kernels_fit(128, tc, SMALL));
+            assert!(chunk_kernels_fit(48, tc, SMALL));
+            assert!(!chunk_kernels_fit(64, tc, 64 * 1024), "the solve's backward needs more than 64 KiB");
+            assert!(!chunk_kernels_fit(MAX_DK + 16, tc, usize::MAX));
+        }
+        // The largest block, the walk's tensor-core form at 256 keys: 186 KB.
+        let walk = WalkDims { n: 1, bh: 1, c: 64, dk: 256, dv: TILE, delta: true, tensor: true };
+        assert_eq!(walk.shared_bytes(true), 185_600);
+    }
 }

@@ -149,9 +149,9 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let out = unsafe { dev.alloc::<f32>(d.u_len() + d.states_len())? };
     let (u_out, states) = (out.slice(..d.u_len()), out.slice(d.u_len()..));
     // The state's and U's column tiles, and one chunk's staged keys.
-    let smem = walk_smem(d);
+    let smem = d.shared_bytes(walk_tensor(d));
     let func = function(&dev, &walk_kernel("chunk_walk_fwd", d))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk walk")?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
@@ -164,20 +164,6 @@ pub fn chunk_walk(d: &WalkDims, wkc: Input, k: Input, extra: Input) -> Result<(C
     let n = d.u_len() + d.states_len();
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
-
-/// A walk kernel's shared memory: the state's (G's) and U's (dU's) column tiles, then one chunk's
-/// staged keys (from a 16-byte boundary; on tensor cores 64 rows of Kc and of K, each at its own
-/// padded stride, dk + 4 and dk + 8, then their 64 scales; the backward's [64, 4] row sums sit in
-/// dU's padding).
-fn walk_smem(d: &WalkDims) -> usize {
-    if walk_tensor(d) {
-        return ((d.dk + 64) * TC_STATE_STRIDE + 64 * (2 * d.dk + 12) + 64) * 4;
-    }
-    (((d.dk + d.c) * (TILE + 1)).next_multiple_of(4) + d.c * d.kk_width()) * 4
-}
-
-/// Row stride of the tensor-core walk's state tiles (`TC_SW` in chunk_*.cu).
-const TC_STATE_STRIDE: usize = 40;
 
 /// Whether the walk runs on tensor cores: as [`chunk_tensor`], and a key width in whole 16-row
 /// tiles.
@@ -242,9 +228,9 @@ pub fn chunk_walk_back(
     let rest = lu + lg + d.state_len();
     let (da, de) = (out.slice(rest..rest + la), out.slice(rest + la..));
     // G's and dU's column tiles, and one chunk's staged keys.
-    let smem = walk_smem(d);
+    let smem = d.shared_bytes(walk_tensor(d));
     let func = function(&dev, &walk_kernel("chunk_walk_bwd", d))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk walk backward")?;
     let ints = [d.n, d.bh, d.c, d.dk, d.dv, d.delta as usize].map(|v| v as i32);
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
@@ -260,23 +246,6 @@ pub fn chunk_walk_back(
     unsafe { builder.launch(walk_config(d, smem)) }.w()?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
-
-/// The intra-chunk solve's shared memory: its [c, c] matrices at row stride 65 (two forward,
-/// four backward), one or two column tiles, and its per-token scalars (three, five). On tensor
-/// cores the strides are 68 and 36 or 40 (`TC_TB`, for tiles read by rows as B), with two tiles
-/// each way and three backward matrices, the backward's third in room for two more tiles.
-fn intra_smem(backward: bool, tensor: bool) -> usize {
-    let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
-    match (backward, tensor) {
-        (true, true) => 4 * (2 * sq + (tile + TC_B_TILE).max(sq) + tile + TC_B_TILE + 5 * 64),
-        (true, false) => 4 * (4 * sq + 2 * tile + 5 * 64),
-        (false, true) => 4 * (2 * sq + 2 * TC_B_TILE + 3 * 64),
-        (false, false) => 4 * (2 * sq + tile + 3 * 64),
-    }
-}
-
-/// A [64, `TC_TB`] tile of the tensor-core kernels, for tiles a loop reads only by rows as B.
-const TC_B_TILE: usize = 64 * 40;
 
 /// Whether a chunk kernel runs in its `_tc` form: 16-bit inputs (the dims' `tensor`) on a GPU
 /// with tensor cores.
@@ -301,7 +270,7 @@ fn chunk_config(n: usize, bh: usize, c: usize, smem: usize, what: &str) -> Resul
 /// `chunk_intra_fwd_f32`: W then Kc, flat (see `ops::chunk_intra`).
 pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(CudaStorage, Shape)> {
     let tc = chunk_tensor(d.tensor);
-    let smem = intra_smem(false, tc);
+    let smem = IntraDims::shared_bytes(false, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve")?;
     let dev = k.0.device().clone();
     let (k, v, scal) =
@@ -311,7 +280,7 @@ pub fn chunk_intra(d: &IntraDims, k: Input, v: Input, scal: Input) -> Result<(Cu
     let out = unsafe { dev.alloc::<f32>(lw + lk)? };
     let (w, kc) = (out.slice(..lw), out.slice(lw..));
     let func = function(&dev, &chunk_kernel("chunk_intra_fwd", tc))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk solve")?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -335,7 +304,7 @@ pub fn chunk_intra_back(
     scal: Input,
 ) -> Result<(CudaStorage, Shape)> {
     let tc = chunk_tensor(d.tensor);
-    let smem = intra_smem(true, tc);
+    let smem = IntraDims::shared_bytes(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk solve backward")?;
     let dev = gw.0.device().clone();
     let (gw, gkc) = (view::<f32>(gw, "chunk solve backward")?, view::<f32>(gkc, "chunk solve backward")?);
@@ -348,7 +317,7 @@ pub fn chunk_intra_back(
     // SAFETY: the kernel writes every element of dk, dv, dβ and dγ.
     let out = unsafe { dev.alloc::<f32>(n)? };
     let func = function(&dev, &chunk_kernel("chunk_intra_bwd", tc))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk solve backward")?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -363,24 +332,10 @@ pub fn chunk_intra_back(
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
 }
 
-/// The chunk outputs' shared memory: P (and the backward's E ∘ D) at row stride 65, two column
-/// tiles, and one (three) per-token scalars. On tensor cores the strides are 68 and 36 or 40
-/// (`TC_TB`), with a second forward scalar and a second pair of tiles: the forward's B tiles and
-/// all the backward's at 40.
-fn out_smem(backward: bool, tensor: bool) -> usize {
-    let (sq, tile) = if tensor { (64 * 68, 64 * 36) } else { (64 * 65, 64 * 33) };
-    4 * match (backward, tensor) {
-        (true, true) => 2 * sq + 4 * TC_B_TILE + 3 * 64,
-        (false, true) => sq + 2 * tile + 2 * TC_B_TILE + 2 * 64,
-        (true, false) => 2 * sq + 2 * tile + 3 * 64,
-        (false, false) => sq + 2 * tile + 64,
-    }
-}
-
 /// `chunk_out_fwd_f32`: O [N,BH,C,dv] (see `ops::chunk_out`).
 pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<(CudaStorage, Shape)> {
     let tc = chunk_tensor(d.tensor);
-    let smem = out_smem(false, tc);
+    let smem = OutDims::shared_bytes(false, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs")?;
     let dev = qk.0.device().clone();
     let what = "chunk outputs";
@@ -388,7 +343,7 @@ pub fn chunk_out(d: &OutDims, qk: Input, walked: Input, gamma: Input) -> Result<
     // SAFETY: the kernel writes every element of O.
     let out = unsafe { dev.alloc::<f32>(d.o_len())? };
     let func = function(&dev, &chunk_kernel("chunk_out_fwd", tc))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk outputs")?;
     let blocks = (d.n * d.bh) as i64;
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();
@@ -412,7 +367,7 @@ pub fn chunk_out_back(
     gamma: Input,
 ) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
     let tc = chunk_tensor(d.tensor);
-    let smem = out_smem(true, tc);
+    let smem = OutDims::shared_bytes(true, tc);
     let cfg = chunk_config(d.n, d.bh, d.c, smem, "chunk outputs backward")?;
     let dev = grad.0.device().clone();
     let what = "chunk outputs";
@@ -424,7 +379,7 @@ pub fn chunk_out_back(
     // Zeroed: O does not read the last state, whose gradient the kernel leaves as it is.
     let out = dev.alloc_zeros::<f32>(n)?;
     let func = function(&dev, &chunk_kernel("chunk_out_bwd", tc))?;
-    shared_memory(&func, smem)?;
+    shared_memory(&dev, &func, smem, "chunk outputs backward")?;
     let (blocks, walked_len) = ((d.n * d.bh) as i64, d.walked_len() as i64);
     let ints = [d.c, d.dk, d.dv].map(|v| v as i32);
     let stream = dev.cuda_stream();

@@ -142,11 +142,23 @@ fn shared_memory_limit(dev: &CudaDevice) -> usize {
     dev.cuda_stream().context().attribute(optin).map_or(48 * 1024, |b| b.max(0) as usize)
 }
 
-/// Allow `func` up to `bytes` of dynamic shared memory (above the default 48 KiB on request).
-fn shared_memory(func: &CudaFunction, bytes: usize) -> Result<()> {
+/// Whether the chunk kernels for keys `dk` wide fit the blocks of `dev` (see
+/// [`crate::ops::launch::chunk_kernels_fit`]); where they do not, the recurrence takes the
+/// composed chunked form.
+pub fn chunk_kernels_fit(dev: &CudaDevice, dk: usize) -> bool {
+    crate::ops::launch::chunk_kernels_fit(dk, cfg!(tensor_cores), shared_memory_limit(dev))
+}
+
+/// Allow `func` on `dev` up to `bytes` of dynamic shared memory (above the default 48 KiB on
+/// request), or say which kernel needs more than the GPU gives a block.
+fn shared_memory(dev: &CudaDevice, func: &CudaFunction, bytes: usize, what: &str) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-    if bytes > 227 * 1024 {
-        candle_core::bail!("a kernel needs {bytes} bytes of shared memory, above the 227 KiB a block may have");
+    let limit = shared_memory_limit(dev);
+    if bytes > limit {
+        candle_core::bail!(
+            "{what}: its kernel needs {bytes} bytes of shared memory a block and this GPU gives {limit}; \
+             STATECUT_RECURRENCE=chunked runs the recurrence in candle's ops instead"
+        );
     }
     if bytes > 48 * 1024 {
         func.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32).w()?;

@@ -63,7 +63,7 @@ pub fn recurrence(inp: &RecurrenceInputs, d: &RecurrenceDims, in_place: bool) ->
     if let Some(width) = chunked_width(d, has_gk, &dev) {
         let bytes = 4 * fused_block::chunked_floats(width);
         let func = function(&dev, &format!("chunk_fused_fwd_{width}"))?;
-        shared_memory(&func, bytes)?;
+        shared_memory(&dev, &func, bytes, "recurrence")?;
         let cfg = LaunchConfig {
             grid_dim: (d.dv.div_ceil(fused_block::CHUNKED_COLUMNS) as u32, (d.b * d.h) as u32, 1),
             block_dim: (256, 1, 1),
