@@ -537,11 +537,12 @@ impl Kernel {
     /// long sequences too few to fill the GPU ([`CHUNKS_FROM_TOKENS`], [`CHUNKS_UP_TO_BLOCKS`]),
     /// unless `STATECUT_RECURRENCE` or [`Self::scoped`] asks for a kernel.
     pub fn chunks_without_gradients(device: &Device, (b, t, h): (usize, usize, usize), dk: usize, dv: usize) -> bool {
-        let walkable = walkable(device, dk);
-        match Self::overridden() {
-            Some(k) => walkable && k == Kernel::ChunkedKernels,
-            None => walkable && long_and_few((b, t, h), dv),
-        }
+        // The device is asked last: decoding steps pass here every token.
+        let wanted = match Self::overridden() {
+            Some(k) => k == Kernel::ChunkedKernels,
+            None => long_and_few((b, t, h), dv),
+        };
+        wanted && walkable(device, dk)
     }
 
     /// Whether a layer's recurrence without gradients on `device`, for a model in `dtype`, should
@@ -559,9 +560,9 @@ impl Kernel {
     /// chunk kernels (what [`Self::choose`] picks for tracked inputs there, unless
     /// `STATECUT_RECURRENCE` or [`Self::scoped`] asks for another form).
     pub fn chunk_kernels_with_gradients(device: &Device, dk: usize) -> bool {
-        walkable(device, dk)
-            && !super::no_gradients()
+        !super::no_gradients()
             && matches!(Self::overridden(), None | Some(Kernel::ChunkedKernels))
+            && walkable(device, dk)
     }
 
     /// Run `f` with every recurrence this thread starts computed by `kernel` (where it applies).

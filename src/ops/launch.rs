@@ -163,14 +163,13 @@ impl OutDims {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn chunk_kernels_fit(dk: usize, tc: bool, limit: usize) -> bool {
     let walk = WalkDims { n: 1, bh: 1, c: 64, dk, dv: TILE, delta: true, tensor: tc };
-    let mut need = walk.shared_bytes(false);
-    for form in [false, tc] {
-        need = need.max(IntraDims::shared_bytes(true, form)).max(OutDims::shared_bytes(true, form));
-        if form && dk.is_multiple_of(16) {
-            need = need.max(walk.shared_bytes(true));
-        }
-    }
-    dk <= MAX_DK && need <= limit
+    // The backward's blocks hold more than the forward's; the walk's tensor-core form needs keys
+    // in whole 16-row tiles, else it runs in float32.
+    let need = |form: bool| {
+        let walked = walk.shared_bytes(form && dk.is_multiple_of(16));
+        walked.max(IntraDims::shared_bytes(true, form)).max(OutDims::shared_bytes(true, form))
+    };
+    dk <= MAX_DK && need(false) <= limit && (!tc || need(true) <= limit)
 }
 
 /// Sizes of one intra-chunk solve: N chunks of C tokens for BH heads.

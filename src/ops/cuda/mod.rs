@@ -135,11 +135,16 @@ pub fn on_gpu<'a>(s: &'a candle_core::Storage, l: &'a Layout, what: &str) -> Res
 }
 
 /// The most shared memory a block may ask for on `dev` (227 KiB on an H100 or H200, 163 KiB on
-/// an A100, 99 KiB on most other GPUs), for kernels that have a form which needs less.
+/// an A100, 99 KiB on most other GPUs), for kernels that have a form which needs less. Asked of
+/// the driver once per device: launches and the recurrence's choice of form read it every pass.
 fn shared_memory_limit(dev: &CudaDevice) -> usize {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    let optin = A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-    dev.cuda_stream().context().attribute(optin).map_or(48 * 1024, |b| b.max(0) as usize)
+    static LIMITS: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, usize>>> = OnceLock::new();
+    let mut all = LIMITS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    *all.entry(dev.id()).or_insert_with(|| {
+        let optin = A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+        dev.cuda_stream().context().attribute(optin).map_or(48 * 1024, |b| b.max(0) as usize)
+    })
 }
 
 /// Whether the chunk kernels for keys `dk` wide fit the blocks of `dev` (see
