@@ -53,6 +53,54 @@ template <int S, typename F> __device__ __forceinline__ void tc_scale_rows(float
   }
 }
 
+// The chunk's four products over the keys' width in one loop over K: K Kᵀ (if DELTA) and Q Kᵀ
+// on the warp's [C, C] tiles, which share Kᵀ's fragment, and K S (if DELTA) and Q S on its
+// [C, CF_TV] tiles, which share S's. Their mma chains are independent, so a warp keeps up to six
+// in flight where four tc_acc calls ran them one after another, each waiting on its own sums
+// (ncu: fixed-latency stalls took 45% of the samples). Each tile sums over K in tc_acc's order,
+// so the results are those of the four calls bit for bit.
+template <bool DELTA, int SQ, int SV>
+__device__ __forceinline__ void cf_products(float a[SQ][4], float p[SQ][4], float vs[SV][4], float o[SV][4], int C,
+                                            int DK, const TcView &kr, const TcView &kt, const TcView &qr,
+                                            const TcView &sr) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  int qm[SQ], qn[SQ], vm[SV], vn[SV];
+  bool qon[SQ], von[SV];
+#pragma unroll
+  for (int s = 0; s < SQ; ++s) qon[s] = tc_tile(C, C, s, qm[s], qn[s]) && qn[s] <= qm[s] + 15;
+#pragma unroll
+  for (int s = 0; s < SV; ++s) von[s] = tc_tile(C, CF_TV, s, vm[s], vn[s]);
+#pragma unroll 2
+  for (int k0 = 0; k0 < DK; k0 += 8) {
+#pragma unroll
+    for (int s = 0; s < SQ; ++s) {
+      if (!qon[s]) continue;
+      unsigned fq[4], fb[2];
+      tc_frag_b(fb, kt, qn[s], k0, g, t);
+      tc_frag_a(fq, qr, qm[s], k0, g, t);
+      if (DELTA) {
+        unsigned fk[4];
+        tc_frag_a(fk, kr, qm[s], k0, g, t);
+        tc_mma_frags(a[s], fk, fb);
+      }
+      tc_mma_frags(p[s], fq, fb);
+    }
+#pragma unroll
+    for (int s = 0; s < SV; ++s) {
+      if (!von[s]) continue;
+      unsigned fq[4], fb[2];
+      tc_frag_b(fb, sr, vn[s], k0, g, t);
+      tc_frag_a(fq, qr, vm[s], k0, g, t);
+      if (DELTA) {
+        unsigned fk[4];
+        tc_frag_a(fk, kr, vm[s], k0, g, t);
+        tc_mma_frags(vs[s], fk, fb);
+      }
+      tc_mma_frags(o[s], fq, fb);
+    }
+  }
+}
+
 // Keys up to DK wide (a multiple of 32; narrower keys are zero-padded), chunks of C tokens (a
 // multiple of 32, at most 64); 256 threads; grid (⌈dv / CF_TV⌉, B·H).
 template <int DK, int C>
@@ -116,39 +164,38 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     __pipeline_wait_prior(0);
     __syncthreads();
     const float last = gam[C - 1];  // rows past n add no decay, so this is γ at the last step
-    // A (delta rule) and P from the chunk's Gram products.
-    float acc[SQ][4];
-    if (delta) {
-      tc_zero<SQ>(acc);
-      tc_acc<SQ>(acc, C, C, DK, kr, kt, true);
+    // The Gram products K Kᵀ and Q Kᵀ, K S and the outputs' first term Q S.
+    float acc[SQ][4], pq[SQ][4], vs[SV][4], o[SV][4];
+    tc_zero<SQ>(acc);
+    tc_zero<SQ>(pq);
+    tc_zero<SV>(vs);
+    tc_zero<SV>(o);
+    if (delta) cf_products<true, SQ, SV>(acc, pq, vs, o, C, DK, kr, kt, qr, sr);
+    else cf_products<false, SQ, SV>(acc, pq, vs, o, C, DK, kr, kt, qr, sr);
+    // A (delta rule) and P.
+    if (delta)
       tc_each<SQ>(acc, C, C, [&](int t, int j, float x) {
         A[t * LC + j] = j < t ? -bet[t] * __expf(gam[t] - gam[j]) * x : 0.0f;
       });
-    }
-    tc_zero<SQ>(acc);
-    tc_acc<SQ>(acc, C, C, DK, qr, kt, true);
-    tc_each<SQ>(acc, C, C, [&](int t, int j, float x) {
+    tc_each<SQ>(pq, C, C, [&](int t, int j, float x) {
       P[t * LC + j] = j <= t ? scale * __expf(gam[t] - gam[j]) * x : 0.0f;
     });
     // X = diag(β) (V − diag(e^γ) K S), in place over V (each element by the thread whose tile
     // holds it); under the plain rule X = diag(β) V, which is U.
-    float vs[SV][4];
-    tc_zero<SV>(vs);
-    if (delta) tc_acc<SV>(vs, C, CF_TV, DK, kr, sr, false);
     tc_each<SV>(vs, C, CF_TV,
                 [&](int t, int j, float x) { X[t * LS + j] = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x); });
     // The outputs' first term, held until U is known: scale e^γ Q S.
-    float o[SV][4];
-    tc_zero<SV>(o);
-    tc_acc<SV>(o, C, CF_TV, DK, qr, sr, false);
     tc_scale_rows<SV>(o, C, CF_TV, [&](int t) { return scale * __expf(gam[t]); });
     __syncthreads();
     // The queries are read; the next chunk's come in beside this one's solve. The keys' last
     // use, the state update, takes them as diag(e^{γ_C − γ}) K.
     if (ci + 1 < chunks) stage_qv(ci + 1, next);
     __pipeline_commit();
-    // Four keys a thread a step (rows LK ≡ 0 mod 4 floats apart), one exponential for the four.
-    for (unsigned e = tid; e < C * DK / 4; e += blockDim.x) {
+    // The solve's diagonal blocks by the first C threads while the others scale the keys, four
+    // a thread a step (rows LK ≡ 0 mod 4 floats apart), one exponential for the four.
+    if (delta) tri_invert_diag<C>(A, Tm, LC);
+    const unsigned from = delta ? C : 0;
+    for (unsigned e = tid - from; tid >= from && e < C * DK / 4; e += blockDim.x - from) {
       const unsigned t = e / (DK / 4), r = e % (DK / 4) * 4;
       float4 *x = reinterpret_cast<float4 *>(Ks + t * LK + r);
       const float f = __expf(last - gam[t]);
@@ -161,7 +208,7 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     }
     __syncthreads();
     if (delta) {
-      tri_invert<C>(A, Tm, LC);
+      tri_invert_rest<C>(A, Tm, LC);
       __syncthreads();
       // U = T X, over X once every warp has read it.
       tc_zero<SV>(vs);
