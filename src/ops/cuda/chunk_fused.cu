@@ -132,24 +132,60 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     cf_stage(Qs, LK, q + tok0 * dk, H * dk, 0, dk, n, C, DK);
     cf_stage(vt, LS, v + tok0 * dv, H * dv, v0, dv, n, C, CF_TV);
   };
+  // A chunk's keys, β and log decays into registers (zero past its steps and the keys' width),
+  // loaded half a chunk ahead of their use: the keys' buffer is read until the chunk's last
+  // product, so where they were staged at the chunk's top every warp waited on the loads.
+  // Element i of a thread is the float4 at tid + 256 i of the [C, DK / 4] keys; lane l of the
+  // first warp holds steps l E.. of β and the decays.
+  constexpr int KP = C * DK / 4 / 256, E = C / 32;
+  float4 kn[KP];
+  float bn[E], gn[E];
+  const bool kvec = dk % 4 == 0 && ((uintptr_t)k & 15) == 0;
+  const auto load_next = [&](int ci) {
+    const int t0 = ci * C, n = min(C, T - t0);
+    const long long tok0 = ((long long)b * T + t0) * H + h;
+#pragma unroll
+    for (int i = 0; i < KP; ++i) {
+      const int e = tid + 256 * i, t = e / (DK / 4), r = e % (DK / 4) * 4;
+      const float *src = k + (tok0 + (long long)t * H) * dk + r;
+      if (t < n && kvec && r < dk) {
+        kn[i] = *reinterpret_cast<const float4 *>(src);
+      } else {
+        kn[i].x = t < n && r < dk ? src[0] : 0.0f;
+        kn[i].y = t < n && r + 1 < dk ? src[1] : 0.0f;
+        kn[i].z = t < n && r + 2 < dk ? src[2] : 0.0f;
+        kn[i].w = t < n && r + 3 < dk ? src[3] : 0.0f;
+      }
+    }
+    if (tid < 32)
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const int t = lane * E + i;
+        bn[i] = t < n ? beta[tok0 + (long long)t * H] : 0.0f;
+        gn[i] = t < n && gated ? g[tok0 + (long long)t * H] : 0.0f;
+      }
+  };
   stage_qv(0, V0);
+  __pipeline_commit();
+  load_next(0);
   for (int ci = 0; ci < chunks; ++ci) {
     const int t0 = ci * C, n = min(C, T - t0);
     const long long tok0 = ((long long)b * T + t0) * H + h;
     float *X = ci & 1 ? V1 : V0, *next = ci & 1 ? V0 : V1;
     const TcView xr{X, LS, 1};
-    cf_stage(Ks, LK, k + tok0 * dk, H * dk, 0, dk, n, C, DK);
-    __pipeline_commit();
+#pragma unroll
+    for (int i = 0; i < KP; ++i) {
+      const int e = tid + 256 * i;
+      *reinterpret_cast<float4 *>(Ks + e / (DK / 4) * LK + e % (DK / 4) * 4) = kn[i];
+    }
     if (tid < 32) {
       // β, and γ as an inclusive scan of the chunk's log decays over the warp: each lane sums
       // C / 32 consecutive steps, then the lanes' totals are scanned by shuffles.
-      constexpr int E = C / 32;
       float x[E], run = 0.0f;
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        const int t = lane * E + i;
-        bet[t] = t < n ? beta[tok0 + (long long)t * H] : 0.0f;
-        run += t < n && gated ? g[tok0 + (long long)t * H] : 0.0f;
+        bet[lane * E + i] = bn[i];
+        run += gn[i];
         x[i] = run;
       }
       float incl = run;
@@ -207,21 +243,29 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
       *x = y;
     }
     __syncthreads();
+    if (ci + 1 < chunks) load_next(ci + 1);
+    // Where a warp's tiles of the [C, CF_TV] products are whole columns (eight columns of tiles,
+    // fewer than four tiles a warp: tc_tile's tiles w + 8 s), U = T X and P U read only the
+    // columns of X that the warp itself writes, so between them the warp need not wait for the
+    // others.
+    constexpr bool strips = CF_TV / 8 == TC_WARPS && SV < 4;
     if (delta) {
       tri_invert_rest<C>(A, Tm, LC);
       __syncthreads();
-      // U = T X, over X once every warp has read it.
+      // U = T X, over X once the warps that read its columns have.
       tc_zero<SV>(vs);
       tc_acc<SV>(vs, C, CF_TV, C, ar, xr, false);
-      __syncthreads();
+      strips ? __syncwarp() : __syncthreads();
       tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) { X[t * LS + j] = x; });
-      __syncthreads();
+      strips ? __syncwarp() : __syncthreads();
     }
     // O = scale e^γ Q S + P U, stored for the chunk's steps and the tile's columns.
     tc_acc<SV>(o, C, CF_TV, C, pr, xr, false);
     tc_each_pair<SV>(o, C, CF_TV, [&](int t, int j, float x, float y) {
       if (t < n) tc_store2(out + (tok0 + (long long)t * H) * dv, v0 + j, dv, x, y);
     });
+    // The state update reads every warp's columns of U.
+    if (strips) __syncthreads();
     // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ U: each element by the thread whose tile holds it
     // (S is read again only after the barrier below).
     float ks[SS][4];
