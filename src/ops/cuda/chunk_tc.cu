@@ -185,6 +185,36 @@ __device__ __forceinline__ void tc_acc(float acc[S][4], int M, int N, int K, TcV
   }
 }
 
+// acc0 += A0 B0 and acc1 += A1 B1, two products of one M x N shape over K, in one loop where
+// the warp's two tiles of each pair up (tc_pair): the four mma chains then overlap, where two
+// tc_acc calls ran one product's after the other's. Each tile sums over K in tc_acc's order, so
+// the results are those of the two calls, which it makes where the tiles do not pair up.
+template <int S>
+__device__ __forceinline__ void tc_acc_both(float acc0[S][4], TcView a0, TcView b0, float acc1[S][4], TcView a1,
+                                            TcView b1, int M, int N, int K) {
+  int m0, m1, n0;
+  if (S != 2 || !tc_pair(M, N, m0, m1, n0)) {
+    tc_acc<S>(acc0, M, N, K, a0, b0, false);
+    tc_acc<S>(acc1, M, N, K, a1, b1, false);
+    return;
+  }
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll 2
+  for (int k0 = 0; k0 < K; k0 += 8) {
+    unsigned f0[4], f1[4], h0[2], f2[4], f3[4], h1[2];
+    tc_frag_a(f0, a0, m0, k0, g, t);
+    tc_frag_a(f1, a0, m1, k0, g, t);
+    tc_frag_b(h0, b0, n0, k0, g, t);
+    tc_frag_a(f2, a1, m0, k0, g, t);
+    tc_frag_a(f3, a1, m1, k0, g, t);
+    tc_frag_b(h1, b1, n0, k0, g, t);
+    tc_mma_frags(acc0[0], f0, h0);
+    tc_mma_frags(acc0[1], f1, h0);
+    tc_mma_frags(acc1[0], f2, h1);
+    tc_mma_frags(acc1[1], f3, h1);
+  }
+}
+
 template <int S> __device__ __forceinline__ void tc_zero(float acc[S][4]) {
 #pragma unroll
   for (int s = 0; s < S; ++s)
@@ -479,15 +509,14 @@ extern "C" __global__ void __launch_bounds__(256, 3)
       [&](int i, int b) {
         const int col0 = i * INTRA_TW;
         tc_acc<4>(e, INTRA_C, INTRA_C, INTRA_TW, tc_rows(tas(b)), tc_cols(tbs(b)), true);
-        float x[2][4];
+        float x[2][4], y[2][4];
         tc_zero<2>(x);
-        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq(P), tc_rows(tas(b)), false);
+        tc_zero<2>(y);
+        tc_acc_both<2>(x, tc_sq(P), tc_rows(tas(b)), y, tc_sq_t(ED), tc_rows(tas(b)), INTRA_C, INTRA_TW, INTRA_C);
         tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int j, int col, float v, float w) {
           if (j < c) tc_store2(du + (long long)j * dv, col0 + col, dv, v, w);
         });
-        tc_zero<2>(x);
-        tc_acc<2>(x, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows(tas(b)), false);
-        tc_each_pair<2>(x, INTRA_C, INTRA_TW, [&](int r, int col, float v, float w) {
+        tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int r, int col, float v, float w) {
           if (r < dk) tc_store2(ds + (long long)r * dv, col0 + col, dv, v, w);
         });
       });
@@ -563,8 +592,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
           float y[2][4], z[2][4];
           tc_zero<2>(y);
           tc_zero<2>(z);
-          tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(ED), tc_rows_b(ka), false);
-          tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq_t(ED), tc_rows_b(qa), false);
+          tc_acc_both<2>(y, tc_sq(ED), tc_rows_b(ka), z, tc_sq_t(ED), tc_rows_b(qa), INTRA_C, INTRA_TW, INTRA_C);
           tc_each_pair<2>(y, INTRA_C, INTRA_TW, [&](int t, int r, float v, float w) {
             const float *xr = X + t * TC_P + r;
             if (t < c)
@@ -783,8 +811,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         float y[2][4], z[2][4];
         tc_zero<2>(y);
         tc_zero<2>(z);
-        tc_acc<2>(y, INTRA_C, INTRA_TW, INTRA_C, tc_sq(T), tc_rows(X), false);
-        tc_acc<2>(z, INTRA_C, INTRA_TW, INTRA_C, tc_sq(M), tc_rows_b(kt), false);
+        tc_acc_both<2>(y, tc_sq(T), tc_rows(X), z, tc_sq(M), tc_rows_b(kt), INTRA_C, INTRA_TW, INTRA_C);
         __syncthreads();  // X takes the first tile's place
         // y and z hold the same elements in the same threads.
         tc_each<2>(y, INTRA_C, INTRA_TW, [&](int j, int r, float x) { X[j * TC_TP + r] = kc_sign * x; });
