@@ -1,8 +1,8 @@
 // CUDA kernels run on the host, for checking their logic (indexing, tiling, where they
 // synchronise, what each thread reads and writes) where there is no GPU. One OS thread per CUDA
 // thread; the blocks of a grid run one after another, so a kernel's shared memory can be one
-// array that every block reuses. __syncthreads is a barrier over the block's threads, __syncwarp one
-// over the warp's 32 and a warp shuffle an exchange through that barrier. Tensor-core products (`tc_mma` in
+// array that every block reuses. __syncthreads is a barrier over the block's threads and a warp
+// shuffle an exchange through a barrier over the warp's 32. Tensor-core products (`tc_mma` in
 // src/ops/cuda/chunk_tc.cu) are computed from the shared-memory operands the warp would load,
 // with float32 operands, or their top 19 bits (TF32, as the hardware reads them) under
 // EMULATE_TF32; the hardware's order of summation inside one product is not reproduced.
@@ -97,7 +97,6 @@ template <class F> void launch(dim3 grid, dim3 threads, F kernel) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::block->arrive_and_wait(); }
-inline void __syncwarp() { emu::warps[emu::linear_thread() / 32].bar.arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float x, int lanes) {
   const unsigned id = emu::linear_thread(), lane = id % 32;

@@ -53,54 +53,6 @@ template <int S, typename F> __device__ __forceinline__ void tc_scale_rows(float
   }
 }
 
-// The chunk's four products over the keys' width in one loop over K: K Kᵀ (if DELTA) and Q Kᵀ
-// on the warp's [C, C] tiles, which share Kᵀ's fragment, and K S (if DELTA) and Q S on its
-// [C, CF_TV] tiles, which share S's. Their mma chains are independent, so a warp keeps up to six
-// in flight where four tc_acc calls ran them one after another, each waiting on its own sums
-// (ncu: fixed-latency stalls took 45% of the samples). Each tile sums over K in tc_acc's order,
-// so the results are those of the four calls bit for bit.
-template <bool DELTA, int SQ, int SV>
-__device__ __forceinline__ void cf_products(float a[SQ][4], float p[SQ][4], float vs[SV][4], float o[SV][4], int C,
-                                            int DK, const TcView &kr, const TcView &kt, const TcView &qr,
-                                            const TcView &sr) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  int qm[SQ], qn[SQ], vm[SV], vn[SV];
-  bool qon[SQ], von[SV];
-#pragma unroll
-  for (int s = 0; s < SQ; ++s) qon[s] = tc_tile(C, C, s, qm[s], qn[s]) && qn[s] <= qm[s] + 15;
-#pragma unroll
-  for (int s = 0; s < SV; ++s) von[s] = tc_tile(C, CF_TV, s, vm[s], vn[s]);
-#pragma unroll 2
-  for (int k0 = 0; k0 < DK; k0 += 8) {
-#pragma unroll
-    for (int s = 0; s < SQ; ++s) {
-      if (!qon[s]) continue;
-      unsigned fq[4], fb[2];
-      tc_frag_b(fb, kt, qn[s], k0, g, t);
-      tc_frag_a(fq, qr, qm[s], k0, g, t);
-      if (DELTA) {
-        unsigned fk[4];
-        tc_frag_a(fk, kr, qm[s], k0, g, t);
-        tc_mma_frags(a[s], fk, fb);
-      }
-      tc_mma_frags(p[s], fq, fb);
-    }
-#pragma unroll
-    for (int s = 0; s < SV; ++s) {
-      if (!von[s]) continue;
-      unsigned fq[4], fb[2];
-      tc_frag_b(fb, sr, vn[s], k0, g, t);
-      tc_frag_a(fq, qr, vm[s], k0, g, t);
-      if (DELTA) {
-        unsigned fk[4];
-        tc_frag_a(fk, kr, vm[s], k0, g, t);
-        tc_mma_frags(vs[s], fk, fb);
-      }
-      tc_mma_frags(o[s], fq, fb);
-    }
-  }
-}
-
 // Keys up to DK wide (a multiple of 32; narrower keys are zero-padded), chunks of C tokens (a
 // multiple of 32, at most 64); 256 threads; grid (⌈dv / CF_TV⌉, B·H).
 template <int DK, int C>
@@ -132,60 +84,24 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     cf_stage(Qs, LK, q + tok0 * dk, H * dk, 0, dk, n, C, DK);
     cf_stage(vt, LS, v + tok0 * dv, H * dv, v0, dv, n, C, CF_TV);
   };
-  // A chunk's keys, β and log decays into registers (zero past its steps and the keys' width),
-  // loaded half a chunk ahead of their use: the keys' buffer is read until the chunk's last
-  // product, so where they were staged at the chunk's top every warp waited on the loads.
-  // Element i of a thread is the float4 at tid + 256 i of the [C, DK / 4] keys; lane l of the
-  // first warp holds steps l E.. of β and the decays.
-  constexpr int KP = C * DK / 4 / 256, E = C / 32;
-  float4 kn[KP];
-  float bn[E], gn[E];
-  const bool kvec = dk % 4 == 0 && ((uintptr_t)k & 15) == 0;
-  const auto load_next = [&](int ci) {
-    const int t0 = ci * C, n = min(C, T - t0);
-    const long long tok0 = ((long long)b * T + t0) * H + h;
-#pragma unroll
-    for (int i = 0; i < KP; ++i) {
-      const int e = tid + 256 * i, t = e / (DK / 4), r = e % (DK / 4) * 4;
-      const float *src = k + (tok0 + (long long)t * H) * dk + r;
-      if (t < n && kvec && r < dk) {
-        kn[i] = *reinterpret_cast<const float4 *>(src);
-      } else {
-        kn[i].x = t < n && r < dk ? src[0] : 0.0f;
-        kn[i].y = t < n && r + 1 < dk ? src[1] : 0.0f;
-        kn[i].z = t < n && r + 2 < dk ? src[2] : 0.0f;
-        kn[i].w = t < n && r + 3 < dk ? src[3] : 0.0f;
-      }
-    }
-    if (tid < 32)
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        const int t = lane * E + i;
-        bn[i] = t < n ? beta[tok0 + (long long)t * H] : 0.0f;
-        gn[i] = t < n && gated ? g[tok0 + (long long)t * H] : 0.0f;
-      }
-  };
   stage_qv(0, V0);
-  __pipeline_commit();
-  load_next(0);
   for (int ci = 0; ci < chunks; ++ci) {
     const int t0 = ci * C, n = min(C, T - t0);
     const long long tok0 = ((long long)b * T + t0) * H + h;
     float *X = ci & 1 ? V1 : V0, *next = ci & 1 ? V0 : V1;
     const TcView xr{X, LS, 1};
-#pragma unroll
-    for (int i = 0; i < KP; ++i) {
-      const int e = tid + 256 * i;
-      *reinterpret_cast<float4 *>(Ks + e / (DK / 4) * LK + e % (DK / 4) * 4) = kn[i];
-    }
+    cf_stage(Ks, LK, k + tok0 * dk, H * dk, 0, dk, n, C, DK);
+    __pipeline_commit();
     if (tid < 32) {
       // β, and γ as an inclusive scan of the chunk's log decays over the warp: each lane sums
       // C / 32 consecutive steps, then the lanes' totals are scanned by shuffles.
+      constexpr int E = C / 32;
       float x[E], run = 0.0f;
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        bet[lane * E + i] = bn[i];
-        run += gn[i];
+        const int t = lane * E + i;
+        bet[t] = t < n ? beta[tok0 + (long long)t * H] : 0.0f;
+        run += t < n && gated ? g[tok0 + (long long)t * H] : 0.0f;
         x[i] = run;
       }
       float incl = run;
@@ -200,38 +116,39 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
     __pipeline_wait_prior(0);
     __syncthreads();
     const float last = gam[C - 1];  // rows past n add no decay, so this is γ at the last step
-    // The Gram products K Kᵀ and Q Kᵀ, K S and the outputs' first term Q S.
-    float acc[SQ][4], pq[SQ][4], vs[SV][4], o[SV][4];
-    tc_zero<SQ>(acc);
-    tc_zero<SQ>(pq);
-    tc_zero<SV>(vs);
-    tc_zero<SV>(o);
-    if (delta) cf_products<true, SQ, SV>(acc, pq, vs, o, C, DK, kr, kt, qr, sr);
-    else cf_products<false, SQ, SV>(acc, pq, vs, o, C, DK, kr, kt, qr, sr);
-    // A (delta rule) and P.
-    if (delta)
+    // A (delta rule) and P from the chunk's Gram products.
+    float acc[SQ][4];
+    if (delta) {
+      tc_zero<SQ>(acc);
+      tc_acc<SQ>(acc, C, C, DK, kr, kt, true);
       tc_each<SQ>(acc, C, C, [&](int t, int j, float x) {
         A[t * LC + j] = j < t ? -bet[t] * __expf(gam[t] - gam[j]) * x : 0.0f;
       });
-    tc_each<SQ>(pq, C, C, [&](int t, int j, float x) {
+    }
+    tc_zero<SQ>(acc);
+    tc_acc<SQ>(acc, C, C, DK, qr, kt, true);
+    tc_each<SQ>(acc, C, C, [&](int t, int j, float x) {
       P[t * LC + j] = j <= t ? scale * __expf(gam[t] - gam[j]) * x : 0.0f;
     });
     // X = diag(β) (V − diag(e^γ) K S), in place over V (each element by the thread whose tile
     // holds it); under the plain rule X = diag(β) V, which is U.
+    float vs[SV][4];
+    tc_zero<SV>(vs);
+    if (delta) tc_acc<SV>(vs, C, CF_TV, DK, kr, sr, false);
     tc_each<SV>(vs, C, CF_TV,
                 [&](int t, int j, float x) { X[t * LS + j] = bet[t] * (X[t * LS + j] - __expf(gam[t]) * x); });
     // The outputs' first term, held until U is known: scale e^γ Q S.
+    float o[SV][4];
+    tc_zero<SV>(o);
+    tc_acc<SV>(o, C, CF_TV, DK, qr, sr, false);
     tc_scale_rows<SV>(o, C, CF_TV, [&](int t) { return scale * __expf(gam[t]); });
     __syncthreads();
     // The queries are read; the next chunk's come in beside this one's solve. The keys' last
     // use, the state update, takes them as diag(e^{γ_C − γ}) K.
     if (ci + 1 < chunks) stage_qv(ci + 1, next);
     __pipeline_commit();
-    // The solve's diagonal blocks by the first C threads while the others scale the keys, four
-    // a thread a step (rows LK ≡ 0 mod 4 floats apart), one exponential for the four.
-    if (delta) tri_invert_diag<C>(A, Tm, LC);
-    const unsigned from = delta ? C : 0;
-    for (unsigned e = tid - from; tid >= from && e < C * DK / 4; e += blockDim.x - from) {
+    // Four keys a thread a step (rows LK ≡ 0 mod 4 floats apart), one exponential for the four.
+    for (unsigned e = tid; e < C * DK / 4; e += blockDim.x) {
       const unsigned t = e / (DK / 4), r = e % (DK / 4) * 4;
       float4 *x = reinterpret_cast<float4 *>(Ks + t * LK + r);
       const float f = __expf(last - gam[t]);
@@ -243,29 +160,21 @@ __device__ void chunk_fused_fwd(const float *__restrict__ q, const float *__rest
       *x = y;
     }
     __syncthreads();
-    if (ci + 1 < chunks) load_next(ci + 1);
-    // Where a warp's tiles of the [C, CF_TV] products are whole columns (eight columns of tiles,
-    // fewer than four tiles a warp: tc_tile's tiles w + 8 s), U = T X and P U read only the
-    // columns of X that the warp itself writes, so between them the warp need not wait for the
-    // others.
-    constexpr bool strips = CF_TV / 8 == TC_WARPS && SV < 4;
     if (delta) {
-      tri_invert_rest<C>(A, Tm, LC);
+      tri_invert<C>(A, Tm, LC);
       __syncthreads();
-      // U = T X, over X once the warps that read its columns have.
+      // U = T X, over X once every warp has read it.
       tc_zero<SV>(vs);
       tc_acc<SV>(vs, C, CF_TV, C, ar, xr, false);
-      strips ? __syncwarp() : __syncthreads();
+      __syncthreads();
       tc_each<SV>(vs, C, CF_TV, [&](int t, int j, float x) { X[t * LS + j] = x; });
-      strips ? __syncwarp() : __syncthreads();
+      __syncthreads();
     }
     // O = scale e^γ Q S + P U, stored for the chunk's steps and the tile's columns.
     tc_acc<SV>(o, C, CF_TV, C, pr, xr, false);
     tc_each_pair<SV>(o, C, CF_TV, [&](int t, int j, float x, float y) {
       if (t < n) tc_store2(out + (tok0 + (long long)t * H) * dv, v0 + j, dv, x, y);
     });
-    // The state update reads every warp's columns of U.
-    if (strips) __syncthreads();
     // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ U: each element by the thread whose tile holds it
     // (S is read again only after the barrier below).
     float ks[SS][4];

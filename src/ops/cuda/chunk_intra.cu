@@ -93,39 +93,25 @@ __device__ void intra_gram(const float *k, int c, int dk, float *tile, float *G)
 // held in T's block (j, i), above the diagonal, until T_ii multiplies it; those blocks are
 // zeroed last. Every thread of the block must call it.
 #define INV_B 16
-// The diagonal blocks' forward substitution, by threads 0..C−1 (the others return at once), for
-// tri_invert_rest after a barrier: split so that a caller can give the other threads work of
-// their own meanwhile.
-template <int C> __device__ __forceinline__ void tri_invert_diag(const float *A, float *T, int ld) {
-  const int tid = threadIdx.x;
-  if (tid >= C) return;
-  // The thread's column stays in registers through its chain (its entries above the diagonal
-  // are zeros, which add nothing), where each step stored its entry to shared memory and the
-  // next steps loaded it back.
-  const int o = (tid / INV_B) * INV_B, col = tid % INV_B;
-  float x[INV_B];
-#pragma unroll
-  for (int i = 0; i < INV_B; ++i) {
-    float v = i == col ? 1.0f : 0.0f;
-#pragma unroll
-    for (int j = 0; j < i; ++j) v += A[(o + i) * ld + o + j] * x[j];
-    x[i] = v;
-  }
-#pragma unroll
-  for (int i = 0; i < INV_B; ++i) T[(o + i) * ld + o + col] = x[i];
-}
-
-template <int C> __device__ void tri_invert_rest(const float *A, float *T, int ld);
-
 template <int C> __device__ void tri_invert(const float *A, float *T, int ld) {
-  tri_invert_diag<C>(A, T, ld);
-  __syncthreads();
-  tri_invert_rest<C>(A, T, ld);
-}
-
-// tri_invert past its diagonal blocks, which a barrier has published.
-template <int C> __device__ void tri_invert_rest(const float *A, float *T, int ld) {
   const int tid = threadIdx.x;
+  if (tid < C) {
+    // The thread's column stays in registers through its chain (its entries above the diagonal
+    // are zeros, which add nothing), where each step stored its entry to shared memory and the
+    // next steps loaded it back.
+    const int o = (tid / INV_B) * INV_B, col = tid % INV_B;
+    float x[INV_B];
+#pragma unroll
+    for (int i = 0; i < INV_B; ++i) {
+      float v = i == col ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) v += A[(o + i) * ld + o + j] * x[j];
+      x[i] = v;
+    }
+#pragma unroll
+    for (int i = 0; i < INV_B; ++i) T[(o + i) * ld + o + col] = x[i];
+  }
+  __syncthreads();
   for (int bi = 1; bi < C / INV_B; ++bi) {
     const int n = bi * INV_B * INV_B;
     for (int e = tid; e < n; e += blockDim.x) {
