@@ -27,6 +27,8 @@
 #            --train-memory 45GiB, 16 x 2048 tokens
 #   calib    calibration of the 1.3B DeltaNet and Gated DeltaNet, profiled (STATECUT_PROFILE=1,
 #            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
+#   ceiling  the bf16 matmul ceiling of this GPU (scripts/gpu_bench.sh ceiling: torch, 8192^3),
+#            from which calibration's floors follow on the same machine
 #   jit      the JIT experiment of scripts/gpu_bench.sh jit:NAME on the DeltaNet 1.3B, for each build
 #            of JIT_BUILDS in turn (default NEW)
 #   grad     the Grad selector on the Gated DeltaNet 1.3B (scripts/gpu_bench.sh grad:gdn_1p3b,
@@ -198,6 +200,11 @@ st_calib() {
   mkdir -p $1/r; tar xzf $1/x/results.tgz -C $1/r 2>/dev/null; rm -rf $1/x
 }
 
+st_ceiling() {
+  bash scripts/gpu_bench.sh $(bundle $NEW "") $1/x ceiling > $1/stdout.txt 2>&1
+  grep -vE "^===" $1/stdout.txt
+}
+
 st_jit() {
   local i=0
   for b in ${JIT_BUILDS:-$NEW}; do
@@ -286,7 +293,7 @@ st_fdetail() {
 }
 
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40 [fdetail]=60)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [ceiling]=20 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40 [fdetail]=60)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"

@@ -43,10 +43,12 @@ pub fn load_opened(
     quiet: bool,
 ) -> Result<Loaded> {
     let start = Instant::now();
-    let tokenizer = TextTokenizer::load(&ckpt.dir, args.tokenizer.as_deref(), &ckpt.config)?;
     let device = args.device.open()?;
     let dtype = args.dtype.resolve(&device);
+    let warm = crate::ops::warm_up::WarmUp::start(&device, dtype);
+    let tokenizer = TextTokenizer::load(&ckpt.dir, args.tokenizer.as_deref(), &ckpt.config)?;
     let (model, streamed) = open_model(&ckpt, family, &LoadOptions { dtype, device, grad }, memory)?;
+    warm.finish();
     if !quiet {
         let how = if streamed { ", layer-streamed" } else { "" };
         eprintln!("loaded {} ({}{how}) in {:.2?}", args.model, layout.family, start.elapsed());

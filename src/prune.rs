@@ -346,6 +346,8 @@ impl<'a> Job<'a> {
             rows.extend(self.family.keep_partitions(&mut self.config, &keep_parts)?);
         }
         let mut streamed = loaded.as_ref().is_some_and(|m| m.streamed);
+        // The reload runs on the same device, whose kernels are loaded already.
+        let device = loaded.as_ref().map(|m| m.model.device().clone());
         drop(loaded);
         clock.lap("evaluate_before");
 
@@ -356,7 +358,10 @@ impl<'a> Job<'a> {
         if out_layout.dk != self.k || out_layout.layers.len() != self.layout.layers.len() {
             bail!("internal error: the pruned config describes d_k {} (expected {})", out_layout.dk, self.k);
         }
-        let device = args.model.device.open()?;
+        let device = match device {
+            Some(d) => d,
+            None => args.model.device.open()?,
+        };
         let dtype = args.model.dtype.resolve(&device);
         let opts = LoadOptions { dtype, device, grad: false };
         let (reloaded, reload_streamed) = crate::commands::open_model(&out_ckpt, self.family, &opts, &args.memory)

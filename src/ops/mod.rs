@@ -26,6 +26,7 @@ pub mod norm;
 pub mod prep;
 pub mod projection;
 mod recurrence;
+pub mod warm_up;
 
 use candle_core::{Layout, Result, Tensor};
 

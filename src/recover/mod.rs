@@ -249,6 +249,7 @@ impl<'a> Job<'a> {
         let start = Instant::now();
         let device = args.model.device.open()?;
         let dtype = args.model.dtype.resolve(&device);
+        let warm = crate::ops::warm_up::WarmUp::start(&device, dtype);
         let opts = LoadOptions { dtype, device: device.clone(), grad: false };
         let tok =
             TextTokenizer::load(&self.student.ckpt.dir, args.model.tokenizer.as_deref(), &self.student.ckpt.config)?;
@@ -287,6 +288,7 @@ impl<'a> Job<'a> {
         let student = crate::arch::layered::Resident::load(
             self.family.layers(&self.student.ckpt, &opts, s_weights).context("loading the student")?,
         )?;
+        warm.finish();
         let embed = student.layers.embed_name();
         if self.plan.contains_key(&embed) {
             bail!("--train selects the embeddings ({embed}), which recovery keeps frozen");

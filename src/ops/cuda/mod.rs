@@ -59,9 +59,8 @@ struct Kernels {
     functions: HashMap<String, CudaFunction>,
 }
 
-/// Kernel `name`, loading the module once per device and each function once: a decoding step
-/// launches a few hundred kernels, and a driver lookup per launch would add to each.
-fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+/// `dev`'s kernels, its module loaded on the first call.
+fn with_kernels<R>(dev: &CudaDevice, f: impl FnOnce(&mut Kernels) -> Result<R>) -> Result<R> {
     static KERNELS: OnceLock<Mutex<HashMap<candle_core::cuda_backend::DeviceId, Kernels>>> = OnceLock::new();
     let mut all = KERNELS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let kernels = match all.entry(dev.id()) {
@@ -71,12 +70,25 @@ fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
             e.insert(Kernels { module, functions: HashMap::new() })
         }
     };
-    if let Some(f) = kernels.functions.get(name) {
-        return Ok(f.clone());
-    }
-    let f = kernels.module.load_function(name).w()?;
-    kernels.functions.insert(name.to_string(), f.clone());
-    Ok(f)
+    f(kernels)
+}
+
+/// Load the kernels' module on `dev` now (`crate::ops::warm_up`).
+pub fn load_module(dev: &CudaDevice) -> Result<()> {
+    with_kernels(dev, |_| Ok(()))
+}
+
+/// Kernel `name`, loading the module once per device and each function once: a decoding step
+/// launches a few hundred kernels, and a driver lookup per launch would add to each.
+fn function(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    with_kernels(dev, |kernels| {
+        if let Some(f) = kernels.functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = kernels.module.load_function(name).w()?;
+        kernels.functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    })
 }
 
 /// The view of a contiguous input as elements of T.
