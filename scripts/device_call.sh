@@ -29,6 +29,9 @@
 #            32 x 2048 tokens) and timed (128 x 2048), NEW then OLD (scripts/gpu_bench.sh calib:NAME)
 #   ceiling  the bf16 matmul ceiling of this GPU (scripts/gpu_bench.sh ceiling: torch, 8192^3),
 #            from which calibration's floors follow on the same machine
+#   nsys     the GPU timeline of one unprofiled calibration of the DeltaNet 1.3B (128 x 2048, NEW,
+#            after stage calib made the checkpoint) under Nsight Systems, where the machine has it:
+#            driver calls by total time, and the GPU's busy share in each 100 ms of the run
 #   jit      the JIT experiment of scripts/gpu_bench.sh jit:NAME on the DeltaNet 1.3B, for each build
 #            of JIT_BUILDS in turn (default NEW)
 #   grad     the Grad selector on the Gated DeltaNet 1.3B (scripts/gpu_bench.sh grad:gdn_1p3b,
@@ -205,6 +208,48 @@ st_ceiling() {
   grep -vE "^===" $1/stdout.txt
 }
 
+st_nsys() {
+  local nsys; nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys \
+    /usr/local/cuda/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  [ -n "$nsys" ] || { echo "no nsys on this machine: $(ls /usr/local/cuda/bin 2>&1 | tr '\n' ' ')"; return; }
+  local M=/tmp/ck/delta_net_1p3b
+  [ -d $M ] || { echo "no $M (run stage calib first)"; return; }
+  rm -rf /tmp/ck/nsys-calib
+  timeout $(( $(left) - 20 )) $nsys profile --trace=cuda --sample=none --cpuctxsw=none -o $W/calib \
+    /tmp/bins/$NEW/statecut prune -m $M --method drrqr --ratio 0.5 --calib $COMMON/shared/data/calib/wiki.jsonl \
+    --nsamples 128 --seqlen 2048 --device cuda --dtype bf16 -q -o /tmp/ck/nsys-calib > $1/run.txt 2>&1
+  echo "nsys rc $?"; tail -3 $1/run.txt
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['seconds']))" /tmp/ck/nsys-calib/statecut_report.json
+  $nsys stats --report cuda_api_sum --format csv -o $1/api $W/calib.nsys-rep > /dev/null 2>&1
+  $nsys stats --report cuda_gpu_trace --format csv -o $W/trace $W/calib.nsys-rep > /dev/null 2>&1
+  head -25 $1/api*.csv | cut -c1-160
+  python3 - $W/trace*.csv <<'PY' | tee $1/busy.txt
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+iv = sorted((int(r["Start (ns)"]), int(r["Start (ns)"]) + int(r["Duration (ns)"]), r["Name"]) for r in rows)
+t0, t1 = iv[0][0], max(e for _, e, _ in iv)
+print(f"{len(iv)} GPU operations over {(t1 - t0) / 1e9:.3f} s")
+# Busy time (union of intervals) in each 100 ms window, and the gaps over 2 ms.
+win = 100_000_000; n = (t1 - t0) // win + 1; busy = [0] * n; cur_s = cur_e = None; gaps = []
+def add(a, b):
+    while a < b:
+        w = (a - t0) // win; e = min(b, t0 + (w + 1) * win); busy[w] += e - a; a = e
+for s, e, name in iv:
+    if cur_e is None or s > cur_e:
+        if cur_e is not None:
+            add(cur_s, cur_e)
+            if s - cur_e > 2_000_000: gaps.append(((cur_e - t0) / 1e6, (s - cur_e) / 1e6, name[:60]))
+        cur_s, cur_e = s, e
+    else:
+        cur_e = max(cur_e, e)
+add(cur_s, cur_e)
+print("busy share per 100 ms:", " ".join(f"{b / win:.2f}" for b in busy))
+print("gaps over 2 ms (at ms, length ms, next op):")
+for g in gaps[:60]: print(f"  {g[0]:10.1f} {g[1]:8.1f}  {g[2]}")
+PY
+  rm -rf /tmp/ck/nsys-calib
+}
+
 st_jit() {
   local i=0
   for b in ${JIT_BUILDS:-$NEW}; do
@@ -293,7 +338,7 @@ st_fdetail() {
 }
 
 # Seconds each stage needs to be worth starting (a recovery round of both models ~ 110 s).
-declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [ceiling]=20 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40 [fdetail]=60)
+declare -A need=([parity]=40 [mixer]=$((15 * ROUNDS)) [ncu]=20 [ncuall]=25 [rec]=$((130 * ROUNDS)) [budget]=$((110 * ROUNDS)) [fla]=60 [stepncu]=200 [calib]=120 [jit]=60 [ceiling]=20 [nsys]=60 [nograd]=20 [detail]=90 [blocks]=60 [fchunks]=40 [fdetail]=60)
 for s in ${STAGES:-parity budget}; do
   if [ $(left) -lt ${need[$s]:-0} ]; then echo "=== skip $s ($(left) s left)"; continue; fi
   mkdir -p $W/$s; echo "=== $s at $(($(date +%s) - t0)) s"
