@@ -21,6 +21,8 @@ impl WarmUp {
             return Self(None);
         }
         let device = device.clone();
+        // The thread shares the device's stream and cuBLAS handle with the load, which runs no
+        // products; cuBLAS allows one handle on several threads while none changes its settings.
         // Best effort: an error here would meet the work that follows, which reports it.
         let spawned = std::thread::Builder::new().name("warm-up".into()).spawn(move || {
             let _ = first_uses(&device, dtype, 1024);
