@@ -30,33 +30,28 @@ impl WarmUp {
         Self(spawned.ok())
     }
 
-    /// Wait for the warm-up to finish.
-    pub fn finish(mut self) {
-        self.join();
-    }
+    /// Wait for the warm-up to finish (as dropping it does).
+    pub fn finish(self) {}
+}
 
-    fn join(&mut self) {
+impl Drop for WarmUp {
+    fn drop(&mut self) {
         if let Some(h) = self.0.take() {
             let _ = h.join();
         }
     }
 }
 
-impl Drop for WarmUp {
-    fn drop(&mut self) {
-        self.join();
-    }
-}
-
 /// One op from each of candle's kernel modules that a pass uses, an n x n matrix product in
-/// `dtype` and in float32, and statecut's own kernel module loaded.
+/// `dtype` and in float32 (once where they are one), and statecut's own kernel module loaded.
 fn first_uses(dev: &Device, dtype: DType, n: usize) -> Result<()> {
-    for dt in [dtype, DType::F32] {
+    let dtypes: &[DType] = if dtype == DType::F32 { &[DType::F32] } else { &[dtype, DType::F32] };
+    let ids = Tensor::arange(0u32, 8, dev)?;
+    for &dt in dtypes {
         let x = Tensor::ones((n, n), dt, dev)?; // fill
         let y = x.affine(0.5, 1.0)?; // affine
         let z = ((&x + &y)? * &y)?.exp()?; // binary, unary
         let t = z.t()?.contiguous()?.to_dtype(DType::F32)?; // copy, cast
-        let ids = Tensor::arange(0u32, 8, dev)?;
         let picked = t.index_select(&ids, 0)?; // indexing
         let mask = picked.ge(1.0)?; // comparison
         let _ = mask.where_cond(&picked, &picked.zeros_like()?)?.sum_keepdim(1)?.max_keepdim(0)?; // ternary, reduce
